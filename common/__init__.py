@@ -1,0 +1,1 @@
+"""Shared pieces of kvhandoff: protocol stubs, model, KV pool, ops, handoff codec and verifier."""

@@ -1,0 +1,109 @@
+"""`kvhandoff`: run the services, a local cluster, a client, the conformance suite, benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from common.cli.settings import add_service_flags, apply_sources, build_config
+
+
+def _service_parser(role: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"kvhandoff {role}",
+                                     description=f"Run the {role} service.")
+    add_service_flags(parser, role)
+    return parser
+
+
+def _prepare_kernels_env(kernels: str, device: str) -> None:
+    """Triton on a machine without CUDA runs through its interpreter; it must be set before
+    triton is imported."""
+    if kernels == "triton":
+        import torch
+
+        if device == "cpu" or not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def run_service(role: str, argv: list[str]) -> int:
+    parser = _service_parser(role)
+    ns = apply_sources(parser, argv, role)
+    try:
+        config = build_config(ns, role)
+    except ValueError as err:
+        parser.error(str(err))
+    _prepare_kernels_env(config.service.kernels, config.service.device)
+    from common.capacity import CapacityError
+    from common.model.config import UnsupportedModelError
+
+    try:
+        if role == "prefill":
+            from prefill_svc.server import serve
+        else:
+            from decode_svc.server import serve
+        serve(config, port_file=ns.port_file)
+    except (CapacityError, UnsupportedModelError, FileNotFoundError, ValueError) as err:
+        print(f"kvhandoff {role}: refusing to start: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def config_show(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvhandoff config show",
+                                     description="Print the effective configuration of a role.")
+    parser.add_argument("role", choices=["prefill", "decode"])
+    role = parser.parse_known_args(argv)[0].role
+    service_parser = _service_parser(role)
+    ns = apply_sources(service_parser, argv[1:], role)
+    print(json.dumps(dataclasses.asdict(build_config(ns, role)), indent=2))
+    return 0
+
+
+COMMANDS = {
+    "up": "start prefill and decode on loopback and print 'ready' with the address",
+    "prefill": "run the prefill service",
+    "decode": "run the decode service (--prefill HOST:PORT)",
+    "generate": "stream a generation from a decode service",
+    "config": "config show ROLE: print the effective configuration",
+    "conformance": "conformance prefill|decode: check an implementation of kvhandoff.v1",
+    "bench": "bench transfer|serve: benchmarks",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = [f"  {name:<12} {text}" for name, text in COMMANDS.items()]
+        print("usage: kvhandoff COMMAND [options]   (kvhandoff COMMAND --help)\n\ncommands:\n"
+              + "\n".join(lines))
+        return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
+    command, rest = argv[0], argv[1:]
+    if command in ("prefill", "decode"):
+        return run_service(command, rest)
+    if command == "up":
+        from common.cli.up import up
+
+        return up(rest)
+    if command == "generate":
+        from common.cli.generate import generate
+
+        return generate(rest)
+    if command == "config":
+        if not rest or rest[0] != "show":
+            print("usage: kvhandoff config show prefill|decode [flags]", file=sys.stderr)
+            return 2
+        return config_show(rest[1:])
+    if command == "conformance":
+        from conformance.cli import main as conformance_main
+
+        return conformance_main(rest)
+    from bench.cli import main as bench_main
+
+    return bench_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Service configuration: one frozen dataclass per role, built once at start and passed down.
+
+Values measured at start (pool pages, effective limits) live in `Capacity`, never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Settings shared by both services. pool_tokens of 0 means: size the pool from memory."""
+
+    model: str = "demo"
+    host: str = "127.0.0.1"
+    port: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    kernels: str = "auto"
+    page_size: int = 16
+    pool_tokens: int = 65536
+    memory_fraction: float = 0.0
+    kv_cache_bytes: int = 0
+    max_context_tokens: int = 0
+    allow_context_beyond_pool: bool = False
+    poison_freed_pages: bool = False
+    scrub_freed_pages: bool = False
+    check_page_owners: bool = False
+    metrics_port: int = -1
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    grace_seconds: float = 5.0
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+        if self.dtype not in names:
+            raise ValueError(f"dtype {self.dtype!r}: choose auto, {', '.join(names)}")
+        return names[self.dtype]
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    service: ServiceConfig
+    max_batch_tokens: int = 8192
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    service: ServiceConfig
+    prefill_target: str = "127.0.0.1:50061"
+    max_batch: int = 64
+    max_waiting: int = 256
+    default_max_tokens: int = 256
+    handoff_timeout_s: float = 60.0
+    max_chunk_bytes: int = 4 << 20
+    api_token: str = ""
+    api_tls_cert: str = ""
+    api_tls_key: str = ""

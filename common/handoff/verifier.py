@@ -1,0 +1,187 @@
+"""Decode's check of a handoff, frame by frame. Fails closed: anything not exactly what was
+asked for raises HandoffRefused, and only `finish` can declare a handoff complete.
+
+States: AWAIT_HEADER -> RECEIVING -> COMMITTED; any refusal -> REFUSED (terminal).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import google_crc32c
+
+from common.handoff.layout import PROTOCOL_MAJOR, KvLayout
+from common.handoff.reasons import REJECTION_CODES, HandoffRefused, refuse
+from common.pb.kvhandoff.v1 import handoff_pb2
+
+OK = handoff_pb2.HANDOFF_STATUS_OK
+REJECTED = handoff_pb2.HANDOFF_STATUS_REJECTED
+ABORTED = handoff_pb2.HANDOFF_STATUS_ABORTED
+
+
+class HandoffState(enum.Enum):
+    AWAIT_HEADER = "await_header"
+    RECEIVING = "receiving"
+    COMMITTED = "committed"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What decode asked for: the verifier accepts nothing else."""
+
+    request_id: str
+    token_count: int
+    layout: KvLayout
+    model_fingerprint: str
+    max_chunk_bytes: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class VerifiedChunk:
+    layer: int
+    token_start: int
+    token_end: int
+    k: bytes
+    v: bytes
+
+
+class HandoffVerifier:
+    def __init__(self, expect: Expectation) -> None:
+        self.expect = expect
+        self.state = HandoffState.AWAIT_HEADER
+        self.chunks_seen = 0
+        self.tokens_covered = 0
+        self._coverage = [bytearray(expect.token_count) for _ in range(expect.layout.num_layers)]
+        self.first_token_id: int | None = None
+
+    def _fail(self, reason: str, message: str, code=None) -> HandoffRefused:
+        self.state = HandoffState.REFUSED
+        return refuse(reason, message, code)
+
+    def _check_request_id(self, frame_name: str, request_id: str) -> None:
+        if request_id != self.expect.request_id:
+            raise self._fail("REQUEST_ID_MISMATCH",
+                             f"{frame_name} names request {request_id!r}, "
+                             f"expected {self.expect.request_id!r}")
+
+    def _check_status(self, frame_name: str, status: int, reason: str, reason_code: str) -> None:
+        if status == OK:
+            return
+        if status == REJECTED:
+            code = REJECTION_CODES.get(reason_code)
+            raise self._fail("PEER_REJECTED", f"prefill rejected the prompt "
+                             f"({reason_code or 'no code'}): {reason or 'no reason given'}", code)
+        if status == ABORTED:
+            raise self._fail("PEER_ABORTED", f"prefill aborted the handoff: {reason or 'no reason'}")
+        raise self._fail("STATUS_UNSPECIFIED",
+                         f"{frame_name} status is {handoff_pb2.HandoffStatus.Name(status) if status in handoff_pb2.HandoffStatus.values() else status}, not OK")
+
+    def on_frame(self, frame: handoff_pb2.PrefillResponse) -> VerifiedChunk | None:
+        """Checks one frame; returns the chunk to write when it is a verified chunk."""
+        if self.state in (HandoffState.REFUSED,):
+            raise refuse("FRAME_AFTER_COMMIT", "frame after the handoff was refused")
+        kind = frame.WhichOneof("frame")
+        if kind is None:
+            raise self._fail("FRAME_EMPTY", "a frame carries neither header, chunk nor commit")
+        if self.state == HandoffState.COMMITTED:
+            raise self._fail("FRAME_AFTER_COMMIT", f"a {kind} arrived after the commit")
+        if kind == "header":
+            self._on_header(frame.header)
+            return None
+        if self.state == HandoffState.AWAIT_HEADER:
+            raise self._fail("HEADER_MISSING", f"a {kind} arrived before the header")
+        if kind == "chunk":
+            return self._on_chunk(frame.chunk)
+        self._on_commit(frame.commit)
+        return None
+
+    def _on_header(self, header: handoff_pb2.HandoffHeader) -> None:
+        if self.state != HandoffState.AWAIT_HEADER:
+            raise self._fail("HEADER_DUPLICATE", "a second header arrived")
+        self._check_request_id("header", header.request_id)
+        if header.protocol_version.major != PROTOCOL_MAJOR:
+            raise self._fail("VERSION_UNSUPPORTED", f"protocol major version "
+                             f"{header.protocol_version.major}; this decode speaks {PROTOCOL_MAJOR}")
+        self._check_status("header", header.status, header.reason, header.reason_code)
+        if header.token_count != self.expect.token_count:
+            raise self._fail("TOKEN_COUNT_MISMATCH", f"header token count {header.token_count}, "
+                             f"but the prompt sent has {self.expect.token_count} tokens")
+        if header.model_fingerprint != self.expect.model_fingerprint:
+            raise self._fail("MODEL_MISMATCH", f"prefill model {header.model_fingerprint!r} is not "
+                             f"this decode's {self.expect.model_fingerprint!r}")
+        if not self.expect.layout.matches(header.layout):
+            raise self._fail("LAYOUT_MISMATCH", f"prefill KV layout "
+                             f"{_layout_text(header.layout)} is not this decode's "
+                             f"{_layout_text(self.expect.layout.to_proto())}")
+        self.state = HandoffState.RECEIVING
+
+    def _on_chunk(self, chunk: handoff_pb2.KvChunk) -> VerifiedChunk:
+        self._check_request_id("chunk", chunk.request_id)
+        if chunk.sequence_number != self.chunks_seen:
+            raise self._fail("CHUNK_SEQUENCE_GAP", f"chunk sequence number "
+                             f"{chunk.sequence_number}, expected {self.chunks_seen}")
+        layout = self.expect.layout
+        if chunk.layer >= layout.num_layers:
+            raise self._fail("CHUNK_LAYER_OUT_OF_RANGE",
+                             f"chunk for layer {chunk.layer}; the model has {layout.num_layers}")
+        start, end = chunk.token_start, chunk.token_end
+        if not start < end <= self.expect.token_count:
+            raise self._fail("CHUNK_RANGE_INVALID", f"chunk token range [{start}, {end}) is not "
+                             f"inside [0, {self.expect.token_count})")
+        payload = len(chunk.k) + len(chunk.v)
+        if payload > self.expect.max_chunk_bytes:
+            raise self._fail("FRAME_TOO_LARGE", f"chunk payload {payload} bytes exceeds the "
+                             f"negotiated maximum {self.expect.max_chunk_bytes}")
+        expected = (end - start) * layout.bytes_per_token_per_layer
+        if len(chunk.k) != expected or len(chunk.v) != expected:
+            raise self._fail("CHUNK_SIZE_MISMATCH", f"chunk K/V are {len(chunk.k)}/{len(chunk.v)} "
+                             f"bytes; the layout needs {expected} for {end - start} tokens")
+        coverage = self._coverage[chunk.layer]
+        if coverage.find(1, start, end) != -1:
+            raise self._fail("CHUNK_OVERLAP", f"layer {chunk.layer} tokens [{start}, {end}) "
+                             f"overlap a chunk already received")
+        crc = google_crc32c.extend(google_crc32c.value(chunk.k), chunk.v)
+        if crc != chunk.crc32c:
+            raise self._fail("CHECKSUM_MISMATCH", f"chunk {chunk.sequence_number} crc32c "
+                             f"{chunk.crc32c:#010x}, computed {crc:#010x}")
+        coverage[start:end] = b"\x01" * (end - start)
+        self.chunks_seen += 1
+        self.tokens_covered += end - start
+        return VerifiedChunk(chunk.layer, start, end, chunk.k, chunk.v)
+
+    def _on_commit(self, commit: handoff_pb2.HandoffCommit) -> None:
+        self._check_request_id("commit", commit.request_id)
+        self._check_status("commit", commit.status, commit.reason, "")
+        if commit.token_count != self.expect.token_count:
+            raise self._fail("COMMIT_MISMATCH", f"commit token count {commit.token_count}, "
+                             f"expected {self.expect.token_count}")
+        if commit.chunk_count != self.chunks_seen:
+            raise self._fail("COMMIT_MISMATCH", f"commit counts {commit.chunk_count} chunks, "
+                             f"{self.chunks_seen} arrived")
+        needed = self.expect.token_count * self.expect.layout.num_layers
+        if self.tokens_covered != needed:
+            raise self._fail("COVERAGE_INCOMPLETE", f"chunks cover {self.tokens_covered} of "
+                             f"{needed} layer-tokens")
+        if commit.first_token_id >= self.expect.vocab_size:
+            raise self._fail("FIRST_TOKEN_INVALID", f"first token {commit.first_token_id} is "
+                             f"outside the vocabulary of {self.expect.vocab_size}")
+        self.first_token_id = commit.first_token_id
+        self.state = HandoffState.COMMITTED
+
+    def finish(self) -> int:
+        """Called when the stream ended cleanly; returns the first token or refuses."""
+        if self.state == HandoffState.AWAIT_HEADER:
+            raise self._fail("HEADER_MISSING", "the handoff stream ended without a header")
+        if self.state != HandoffState.COMMITTED:
+            raise self._fail("COMMIT_MISSING", f"the handoff stream ended without a commit after "
+                             f"{self.chunks_seen} chunks")
+        assert self.first_token_id is not None
+        return self.first_token_id
+
+
+def _layout_text(layout) -> str:
+    return (f"(layers={layout.num_layers}, kv_heads={layout.num_kv_heads}, "
+            f"head_dim={layout.head_dim}, dtype={layout.dtype})")

@@ -1,0 +1,1 @@
+"""Triton kernels, one per file, each beside the torch reference it must match."""

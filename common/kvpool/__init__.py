@@ -1,0 +1,1 @@
+"""The paged KV pool: the security boundary between requests."""

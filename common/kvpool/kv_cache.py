@@ -1,0 +1,65 @@
+"""The KV tensors of a pool and what happens to a page's bytes when it is freed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.kvpool.allocator import PageAllocator
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """page_size in tokens; pool_tokens is rounded down to whole pages.
+    poison_freed fills freed pages with NaN (tests); scrub_freed zeroes them (operators);
+    check_owners verifies every batch's page table against the owners before each step."""
+
+    pool_tokens: int
+    page_size: int = 16
+    poison_freed: bool = False
+    scrub_freed: bool = False
+    check_owners: bool = False
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool_tokens // self.page_size
+
+
+class KvPool:
+    """Pages of K and V for every layer: k, v: [num_layers, num_pages, page_size, Hkv, D].
+
+    Owned by one engine thread: tensors are touched only there; the allocator may be queried
+    from anywhere."""
+
+    def __init__(self, config: PoolConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.config = config
+        self.allocator = PageAllocator(config.num_pages, config.page_size)
+        shape = (num_layers, config.num_pages, config.page_size, num_kv_heads, head_dim)
+        fill = float("nan") if config.poison_freed else 0.0
+        self.k = torch.full(shape, fill, dtype=dtype, device=device)
+        self.v = torch.full(shape, fill, dtype=dtype, device=device)
+
+    @property
+    def page_size(self) -> int:
+        return self.config.page_size
+
+    def release(self, owner: str) -> None:
+        """Frees owner's pages, poisoning or scrubbing their bytes first when configured."""
+        pages = self.allocator.page_table(owner) if self.allocator.holds(owner) else []
+        if pages and (self.config.poison_freed or self.config.scrub_freed):
+            index = torch.tensor(pages, device=self.k.device)
+            value = float("nan") if self.config.poison_freed else 0.0
+            self.k[:, index] = value
+            self.v[:, index] = value
+        self.allocator.free(owner)
+
+    def slots_for(self, pages: list[int], token_start: int, token_end: int) -> list[int]:
+        s = self.page_size
+        return [pages[t // s] * s + t % s for t in range(token_start, token_end)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V bytes of one token across all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC stubs (scripts/gen_protos.py); never edit by hand."""

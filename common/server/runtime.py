@@ -1,0 +1,75 @@
+"""Brings up a service's model, ops backend, capacity and pool from its ServiceConfig."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from common.capacity import Capacity, plan_capacity
+from common.config import ServiceConfig
+from common.handoff.layout import KvLayout
+from common.kvpool.kv_cache import KvPool, PoolConfig
+from common.model.llama import LlamaModel
+from common.model.loader import LoadedModel, load_model
+from common.ops.select import make_ops, resolve_backend, triton_is_interpreted
+
+
+@dataclass(frozen=True)
+class Runtime:
+    loaded: LoadedModel
+    model: LlamaModel
+    pool: KvPool
+    capacity: Capacity
+    layout: KvLayout
+    kernels: str
+
+
+def build_runtime(config: ServiceConfig, log) -> Runtime:
+    """Loads weights, picks kernels, sizes the pool (after the weights are placed) and checks
+    the start-up invariant; raises CapacityError / UnsupportedModelError with a clear message."""
+    device = config.torch_device()
+    dtype = config.torch_dtype()
+    kernels = resolve_backend(config.kernels, device)
+    if kernels == "triton" and device.type != "cuda":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--kernels triton without a CUDA device needs TRITON_INTERPRET=1 "
+                             "(the CLI sets it); refusing to start")
+    if kernels == "triton" and triton_is_interpreted(device):
+        log.warning("triton_interpreted", message="Triton kernels run through the interpreter "
+                    "on the CPU: correct but slow, for tests and debugging")
+    loaded = load_model(config.model)
+    ops = make_ops(kernels, device)
+    model = LlamaModel(loaded.config, loaded.weights, ops, device, dtype)
+    capacity = plan_capacity(config, loaded.config, dtype, device)
+    pool_config = PoolConfig(
+        pool_tokens=capacity.pool_tokens, page_size=capacity.page_size,
+        poison_freed=config.poison_freed_pages, scrub_freed=config.scrub_freed_pages,
+        check_owners=config.check_page_owners)
+    c = loaded.config
+    pool = KvPool(pool_config, c.num_layers, c.num_kv_heads, c.head_dim, dtype, device)
+    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+    log.info("runtime_ready", model=loaded.source, fingerprint=loaded.fingerprint,
+             device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
+             **capacity.describe())
+    return Runtime(loaded, model, pool, capacity, layout, kernels)
+
+
+def warm_up(runtime: Runtime) -> None:
+    """One tiny forward so the first request does not pay for lazy init or kernel compiles."""
+    from common.model.llama import PrefillBatch
+
+    device = runtime.model.device
+    pool = runtime.pool
+    owner = "__warmup__"
+    pages = pool.allocator.allocate(owner, 1)
+    try:
+        batch = PrefillBatch(
+            token_ids=torch.zeros(1, dtype=torch.int64, device=device),
+            positions=torch.zeros(1, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(pool.slots_for(pages, 0, 1), dtype=torch.int64, device=device),
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen=1)
+        runtime.model.prefill(batch, pool.k, pool.v)
+    finally:
+        pool.release(owner)

@@ -1,0 +1,194 @@
+"""The decode engine thread: owns the pool and the model; admits, writes received KV, steps
+every running sequence in one batch, and retires finished ones.
+
+Commands arrive on one queue and run in order, so a `release` always follows the writes of the
+same request, and pages return to the free list only after every copy into them is done.
+Invariants: a sequence joins the batch only after `start` (its handoff was verified and all its
+KV written); with check_owners on, every batch's page table is checked against the owners before
+the step, and a sequence that fails is failed alone.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from common.errors import ServiceError
+from common.kvpool.allocator import PageOwnershipError
+from common.kvpool.kv_cache import KvPool
+from common.model.llama import DecodeBatch, LlamaModel
+from common.sampling import sample_batch
+from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
+
+
+@dataclass
+class _Reservation:
+    request_id: str
+    num_tokens: int
+    done: Callable[[list[int] | ServiceError], None]
+
+
+class DecodeEngine:
+    def __init__(self, model: LlamaModel, pool: KvPool, max_batch: int, max_waiting: int,
+                 log, counters: dict[str, int]) -> None:
+        self.model = model
+        self.pool = pool
+        self.max_batch = max_batch
+        self.max_waiting = max_waiting
+        self.log = log
+        self.counters = counters
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[_Reservation] = deque()
+        self._running: dict[str, Sequence] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+
+    # ---- called from the event loop (thread-safe) ----
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=30)
+
+    def reserve(self, request_id: str, num_tokens: int, done) -> None:
+        """done(pages) once reserved, or done(ServiceError) when the admission queue is full."""
+        self._inbox.put(("reserve", _Reservation(request_id, num_tokens, done)))
+
+    def write(self, request_id: str, layer: int, token_start: int, kv: torch.Tensor) -> None:
+        """kv: [2, n, Hkv, D] on the CPU; ignored if the request no longer holds pages."""
+        self._inbox.put(("write", request_id, layer, token_start, kv))
+
+    def begin(self, seq: Sequence) -> None:
+        """The handoff of seq was verified and its writes queued: join the running batch."""
+        self._inbox.put(("begin", seq))
+
+    def release(self, request_id: str) -> None:
+        """Frees whatever the request holds or waits for; safe to call more than once."""
+        self._inbox.put(("release", request_id))
+
+    def running_count(self) -> int:
+        return len(self._running)
+
+    def waiting_count(self) -> int:
+        return len(self._waiting)
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        while True:
+            block = not self._running
+            try:
+                command = self._inbox.get(block=block)
+            except queue.Empty:
+                self._step()
+                continue
+            if command[0] == "stop":
+                return
+            try:
+                getattr(self, f"_on_{command[0]}")(*command[1:])
+            except Exception as exc:  # keep the engine alive; fail only the request concerned
+                self.log.exception("engine_command_failed", command=command[0], error=str(exc))
+
+    def _on_reserve(self, res: _Reservation) -> None:
+        if not self._waiting and self.pool.allocator.can_allocate(res.num_tokens):
+            res.done(self.pool.allocator.allocate(res.request_id, res.num_tokens))
+        elif len(self._waiting) >= self.max_waiting:
+            res.done(ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ADMISSION_QUEUE_FULL",
+                                  f"{self.max_waiting} requests already wait for KV pages; "
+                                  f"retry later"))
+        else:
+            self._waiting.append(res)
+
+    def _admit_waiting(self) -> None:
+        while self._waiting and self.pool.allocator.can_allocate(self._waiting[0].num_tokens):
+            res = self._waiting.popleft()
+            res.done(self.pool.allocator.allocate(res.request_id, res.num_tokens))
+
+    def _on_write(self, request_id: str, layer: int, token_start: int, kv: torch.Tensor) -> None:
+        if not self.pool.allocator.holds(request_id):
+            return
+        table = torch.tensor(self.pool.allocator.page_table(request_id), dtype=torch.int32,
+                             device=self.model.device)
+        buffer = kv.to(self.model.device, non_blocking=True)
+        self.model.ops.unpack_kv(buffer, self.pool.k[layer], self.pool.v[layer], table, token_start)
+
+    def _on_begin(self, seq: Sequence) -> None:
+        if not self.pool.allocator.holds(seq.request_id):
+            return  # released while its handoff was in flight
+        seq.pages = self.pool.allocator.page_table(seq.request_id)
+        self.pool.allocator.mark_written(seq.request_id, seq.prompt_len)
+        seq.emit(TokenEvent(seq.tokens[-1], 0))
+        if not self._maybe_finish(seq):
+            self._running[seq.request_id] = seq
+
+    def _on_release(self, request_id: str) -> None:
+        self._running.pop(request_id, None)
+        self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
+        self.pool.release(request_id)
+        self._admit_waiting()
+
+    def _maybe_finish(self, seq: Sequence) -> bool:
+        reason = seq.finish_reason()
+        if reason is None:
+            return False
+        self._running.pop(seq.request_id, None)
+        self.pool.release(seq.request_id)
+        seq.emit(FinishedEvent(reason, seq.num_generated))
+        self._admit_waiting()
+        return True
+
+    def _fail(self, seq: Sequence, error: ServiceError) -> None:
+        self._running.pop(seq.request_id, None)
+        self.pool.release(seq.request_id)
+        seq.emit(FailedEvent(error))
+        self._admit_waiting()
+
+    def _step(self) -> None:
+        batch = list(self._running.values())[: self.max_batch]
+        if self.pool.config.check_owners:
+            batch = self._checked(batch)
+        if not batch:
+            return
+        device = self.model.device
+        page_size = self.pool.page_size
+        max_pages = max(len(s.pages) for s in batch)
+        table = torch.zeros(len(batch), max_pages, dtype=torch.int32)
+        positions, slots = [], []
+        for row, seq in enumerate(batch):
+            table[row, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
+            pos = len(seq.tokens) - 1
+            positions.append(pos)
+            slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
+        step = DecodeBatch(
+            token_ids=torch.tensor([s.tokens[-1] for s in batch], dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            page_table=table.to(device),
+            seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device))
+        logits = self.model.decode(step, self.pool.k, self.pool.v)
+        self.counters["decode_steps"] = self.counters.get("decode_steps", 0) + 1
+        tokens = sample_batch(logits, [s.sampling for s in batch], [s.num_generated for s in batch])
+        for seq, pos, token in zip(batch, positions, tokens):
+            self.pool.allocator.mark_written(seq.request_id, pos + 1)
+            seq.tokens.append(token)
+            seq.emit(TokenEvent(token, seq.num_generated - 1))
+            self._maybe_finish(seq)
+
+    def _checked(self, batch: list[Sequence]) -> list[Sequence]:
+        """Drops (and fails) any sequence whose pages are not its own or not written."""
+        good = []
+        for seq in batch:
+            try:
+                self.pool.allocator.check_read(seq.request_id, seq.pages, len(seq.tokens) - 1)
+                good.append(seq)
+            except PageOwnershipError as exc:
+                self.log.error("page_ownership_violation", request_id=seq.request_id, error=str(exc))
+                self._fail(seq, ServiceError(grpc.StatusCode.INTERNAL, "PAGE_OWNERSHIP_VIOLATION",
+                                             f"refused to read KV that is not this request's: {exc}"))
+        return good

@@ -1,0 +1,150 @@
+"""The GenerationService on decode: validate, reserve, pull and verify the handoff, generate.
+
+Whatever ends a request (done, refused, client gone, deadline), `finally` releases its pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from common.errors import ServiceError, abort_with
+from common.handoff.layout import KvLayout, protocol_version
+from common.handoff.reasons import HandoffRefused
+from common.handoff.verifier import Expectation
+from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, handoff_pb2
+from common.sampling import SamplingConfig
+from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from decode_svc.engine import DecodeEngine
+from decode_svc.handoff import receive_handoff
+from decode_svc.prefill_client import PrefillClient
+from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
+from decode_svc.validation import DecodeLimits, prompt_ids, validate_generate
+
+FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
+
+
+@dataclass
+class DecodeState:
+    """Facts learned from prefill at start (the handshake); None until agreed."""
+
+    limits: DecodeLimits | None = None
+    refusing: str = ""  # why decode refuses everything (model or layout disagree)
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, engine: DecodeEngine, client: PrefillClient, state: DecodeState,
+                 layout: KvLayout, fingerprint: str, tokenizer: Tokenizer | None,
+                 eos_ids: tuple[int, ...], max_chunk_bytes: int, handoff_timeout_s: float,
+                 refusals: dict[str, int], metrics, log) -> None:
+        self.engine = engine
+        self.client = client
+        self.state = state
+        self.layout = layout
+        self.fingerprint = fingerprint
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_chunk_bytes = max_chunk_bytes
+        self.handoff_timeout_s = handoff_timeout_s
+        self.refusals = refusals
+        self.metrics = metrics
+        self.log = log
+
+    def _limits(self) -> DecodeLimits:
+        if self.state.refusing:
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, "PREFILL_MISMATCH",
+                               self.state.refusing)
+        if self.state.limits is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "PREFILL_NOT_READY",
+                               "decode has not completed its handshake with prefill yet")
+        return self.state.limits
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        request_id = uuid.uuid4().hex
+        log = self.log.bind(request_id=request_id)
+        received = time.monotonic()
+        try:
+            limits = self._limits()
+            prompt = validate_generate(prompt_ids(request, self.tokenizer), request, limits)
+        except ServiceError as err:
+            log.warning("request_refused", reason=err.reason, message=err.message)
+            self.metrics.refused(err.reason)
+            await abort_with(context, err)
+            return
+        events: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        emit = lambda event: loop.call_soon_threadsafe(events.put_nowait, event)  # noqa: E731
+        sampling = SamplingConfig.from_proto(request.sampling, uuid.uuid4().int & (2**63 - 1))
+        try:
+            await self._reserve(request_id, prompt.reserve_tokens)
+            queued = time.monotonic()
+            handoff_request = handoff_pb2.PrefillRequest(
+                request_id=request_id, token_ids=prompt.token_ids,
+                protocol_version=protocol_version(), model_fingerprint=self.fingerprint,
+                sampling=sampling.to_proto(), max_chunk_bytes=self.max_chunk_bytes)
+            expect = Expectation(request_id, len(prompt.token_ids), self.layout, self.fingerprint,
+                                 self.max_chunk_bytes, limits.vocab_size)
+            remaining = context.time_remaining()
+            timeout = self.handoff_timeout_s if remaining is None else min(remaining, self.handoff_timeout_s)
+            first, nbytes = await receive_handoff(self.client, self.engine, handoff_request,
+                                                  expect, timeout)
+            handed = time.monotonic()
+            log.info("handoff_verified", prompt_tokens=len(prompt.token_ids), bytes=nbytes,
+                     seconds=round(handed - queued, 4))
+            self.metrics.handoff(handed - queued, nbytes, queued - received)
+            stop_ids = frozenset(request.stop_token_ids) | (
+                frozenset() if request.ignore_eos else frozenset(self.eos_ids))
+            self.engine.begin(Sequence(request_id, len(prompt.token_ids),
+                                       prompt.token_ids + [first], prompt.max_tokens, sampling,
+                                       stop_ids, emit))
+            async for response in self._stream(events, request_id, len(prompt.token_ids), received):
+                yield response
+            log.info("request_finished", seconds=round(time.monotonic() - received, 4))
+        except HandoffRefused as err:
+            self.refusals[err.reason] = self.refusals.get(err.reason, 0) + 1
+            log.warning("handoff_refused", reason=err.reason, code=err.code.name, message=err.message)
+            self.metrics.refused(err.reason)
+            await abort_with(context, err)
+        except ServiceError as err:
+            log.warning("request_failed", reason=err.reason, message=err.message)
+            await abort_with(context, err)
+        finally:
+            self.engine.release(request_id)
+
+    async def _reserve(self, request_id: str, num_tokens: int) -> None:
+        loop = asyncio.get_running_loop()
+        reserved: asyncio.Future = loop.create_future()
+
+        def done(result) -> None:
+            loop.call_soon_threadsafe(lambda: reserved.done() or reserved.set_result(result))
+
+        self.engine.reserve(request_id, num_tokens, done)
+        result = await reserved
+        if isinstance(result, ServiceError):
+            raise result
+
+    async def _stream(self, events: asyncio.Queue, request_id: str, prompt_len: int,
+                      received: float):
+        detok = IncrementalDetokenizer(self.tokenizer)
+        last = received
+        while True:
+            event = await events.get()
+            if isinstance(event, TokenEvent):
+                now = time.monotonic()
+                self.metrics.token(now - last, first=event.index == 0)
+                last = now
+                yield generate_pb2.GenerateResponse(token=generate_pb2.GeneratedToken(
+                    token_id=event.token_id, text=detok.push(event.token_id), index=event.index))
+            elif isinstance(event, FinishedEvent):
+                self.metrics.finished(time.monotonic() - received)
+                usage = generate_pb2.Usage(prompt_tokens=prompt_len,
+                                           completion_tokens=event.completion_tokens)
+                yield generate_pb2.GenerateResponse(finished=generate_pb2.GenerationFinished(
+                    finish_reason=FINISH[event.reason], usage=usage, request_id=request_id))
+                return
+            elif isinstance(event, FailedEvent):
+                raise event.error

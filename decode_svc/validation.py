@@ -1,0 +1,82 @@
+"""Decode's checks of a GenerateRequest, against its own limits and the prefill's, before any
+page is reserved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from common.errors import ServiceError
+from common.pb.kvhandoff.v1 import generate_pb2
+from common.tokenizer import Tokenizer
+
+C = grpc.StatusCode
+
+
+@dataclass(frozen=True)
+class DecodeLimits:
+    vocab_size: int
+    context_window: int
+    own_pool_tokens: int
+    prefill_max_prompt: int
+    default_max_tokens: int
+
+
+@dataclass(frozen=True)
+class ValidPrompt:
+    token_ids: list[int]
+    max_tokens: int
+
+    @property
+    def reserve_tokens(self) -> int:
+        """KV slots needed: the prompt plus every generated token but the last."""
+        return len(self.token_ids) + self.max_tokens - 1
+
+
+def prompt_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "token_ids":
+        return list(request.token_ids.ids)
+    if kind == "text":
+        if tokenizer is None:
+            raise ServiceError(C.INVALID_ARGUMENT, "NO_TOKENIZER",
+                               "this model has no tokenizer.json; send token_ids instead of text")
+        return tokenizer.encode(request.text)
+    raise ServiceError(C.INVALID_ARGUMENT, "EMPTY_PROMPT", "the request has neither text nor token_ids")
+
+
+def validate_generate(ids: list[int], request: generate_pb2.GenerateRequest,
+                      limits: DecodeLimits) -> ValidPrompt:
+    n = len(ids)
+    if n == 0:
+        raise ServiceError(C.INVALID_ARGUMENT, "EMPTY_PROMPT", "the prompt has no tokens")
+    bad = next((t for t in ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise ServiceError(C.INVALID_ARGUMENT, "TOKEN_OUT_OF_VOCAB",
+                           f"token id {bad} is outside the vocabulary of {limits.vocab_size}")
+    if n > limits.context_window:
+        raise ServiceError(C.INVALID_ARGUMENT, "PROMPT_TOO_LONG",
+                           f"the prompt has {n} tokens, more than the context window of "
+                           f"{limits.context_window}")
+    if n > limits.prefill_max_prompt:
+        raise ServiceError(C.RESOURCE_EXHAUSTED, "POOL_TOO_SMALL",
+                           f"the prompt has {n} tokens but the prefill pool holds at most "
+                           f"{limits.prefill_max_prompt} tokens for one prompt")
+    room = limits.context_window - n + 1
+    max_tokens = request.max_tokens or min(limits.default_max_tokens, room)
+    if max_tokens > room:
+        raise ServiceError(C.INVALID_ARGUMENT, "MAX_TOKENS_TOO_LARGE",
+                           f"prompt ({n}) plus max_tokens ({max_tokens}) exceeds the context "
+                           f"window of {limits.context_window} by {max_tokens - room}")
+    prompt = ValidPrompt(ids, max_tokens)
+    if prompt.reserve_tokens > limits.own_pool_tokens:
+        raise ServiceError(C.RESOURCE_EXHAUSTED, "POOL_TOO_SMALL",
+                           f"the request needs {prompt.reserve_tokens} KV slots but the decode "
+                           f"pool holds only {limits.own_pool_tokens} tokens even when empty")
+    s = request.sampling
+    if s.temperature < 0 or not 0 <= s.top_p <= 1:
+        raise ServiceError(C.INVALID_ARGUMENT, "BAD_SAMPLING",
+                           f"temperature must be >= 0 and top_p in [0, 1]; got "
+                           f"{s.temperature}, {s.top_p}")
+    return prompt

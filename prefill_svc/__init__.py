@@ -1,0 +1,1 @@
+"""The prefill service: computes a prompt's KV cache and streams it to decode (kvhandoff.v1)."""

@@ -1,0 +1,162 @@
+"""The prefill engine thread: owns the model and the pool, runs batches of prompts, and emits
+each layer's KV as chunks as soon as that layer is stored.
+
+Invariants: a job's pages are allocated before its forward pass and freed after its commit or
+abort, whatever happens; a cancelled job gets no more frames; compute never runs on the event
+loop (servicers only call `submit`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from common.handoff.codec import chunk_frame, commit_frame
+from common.handoff.layout import KvLayout
+from common.kvpool.kv_cache import KvPool
+from common.model.llama import LlamaModel, PrefillBatch
+from common.pb.kvhandoff.v1 import handoff_pb2
+from common.sampling import SamplingConfig, sample_batch
+
+
+@dataclass
+class PrefillJob:
+    """emit(frame) is thread-safe; emit(None) ends the job's stream."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingConfig
+    chunk_tokens: int
+    emit: Callable[[handoff_pb2.PrefillResponse | None], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    chunks_sent: int = 0
+
+
+class _BatchCancelled(Exception):
+    pass
+
+
+class PrefillEngine:
+    def __init__(self, model: LlamaModel, pool: KvPool, layout: KvLayout, max_batch_tokens: int,
+                 log, counters: dict[str, int]) -> None:
+        self.model = model
+        self.pool = pool
+        self.layout = layout
+        self.max_batch_tokens = max_batch_tokens
+        self.log = log
+        self.counters = counters
+        self._inbox: queue.Queue[PrefillJob | None] = queue.Queue()
+        self._waiting: deque[PrefillJob] = deque()
+        self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    def submit(self, job: PrefillJob) -> None:
+        self._inbox.put(job)
+
+    def waiting_count(self) -> int:
+        return len(self._waiting) + self._inbox.qsize()
+
+    def _run(self) -> None:
+        while True:
+            block = not self._waiting
+            try:
+                item = self._inbox.get(block=block, timeout=None if block else 0.0)
+                if item is None:
+                    return
+                self._waiting.append(item)
+                continue  # drain the inbox before forming a batch
+            except queue.Empty:
+                pass
+            batch = self._take_batch()
+            if batch:
+                self._run_batch(batch)
+
+    def _take_batch(self) -> list[PrefillJob]:
+        batch: list[PrefillJob] = []
+        tokens = 0
+        while self._waiting:
+            job = self._waiting[0]
+            if job.cancelled.is_set():
+                self._waiting.popleft()
+                job.emit(None)
+                continue
+            n = len(job.token_ids)
+            if batch and tokens + n > self.max_batch_tokens:
+                break
+            if not self.pool.allocator.can_allocate(n):
+                break
+            self._waiting.popleft()
+            self.pool.allocator.allocate(job.request_id, n)
+            batch.append(job)
+            tokens += n
+        return batch
+
+    def _run_batch(self, batch: list[PrefillJob]) -> None:
+        try:
+            logits = self._forward(batch)
+            self.counters["forward_passes"] = self.counters.get("forward_passes", 0) + 1
+            firsts = sample_batch(logits, [j.sampling for j in batch], [0] * len(batch))
+            for job, first in zip(batch, firsts):
+                if not job.cancelled.is_set():
+                    job.emit(commit_frame(job.request_id, len(job.token_ids), job.chunks_sent, first))
+                    self.counters["handoffs_completed"] = self.counters.get("handoffs_completed", 0) + 1
+        except _BatchCancelled:
+            self.log.info("prefill_cancelled", request_ids=[j.request_id for j in batch])
+        except Exception as exc:  # the stream must end with ABORTED, never with partial silence
+            self.log.exception("prefill_failed", error=str(exc))
+            for job in batch:
+                if not job.cancelled.is_set():
+                    job.emit(commit_frame(job.request_id, len(job.token_ids), job.chunks_sent, 0,
+                                          handoff_pb2.HANDOFF_STATUS_ABORTED, f"prefill failed: {exc}"))
+        finally:
+            for job in batch:
+                self.pool.release(job.request_id)
+                job.emit(None)
+
+    def _forward(self, batch: list[PrefillJob]) -> torch.Tensor:
+        device = self.model.device
+        ids, positions, slots, cu = [], [], [], [0]
+        tables = []
+        for job in batch:
+            n = len(job.token_ids)
+            pages = self.pool.allocator.page_table(job.request_id)
+            tables.append(torch.tensor(pages, dtype=torch.int32, device=device))
+            ids += job.token_ids
+            positions += range(n)
+            slots += self.pool.slots_for(pages, 0, n)
+            cu.append(cu[-1] + n)
+        prefill = PrefillBatch(
+            token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
+            max_seqlen=max(len(j.token_ids) for j in batch))
+
+        def on_layer_stored(layer: int) -> None:
+            live = [(j, t) for j, t in zip(batch, tables) if not j.cancelled.is_set()]
+            if not live:
+                raise _BatchCancelled()
+            for job, table in live:
+                self._emit_layer(job, table, layer)
+
+        return self.model.prefill(prefill, self.pool.k, self.pool.v, on_layer_stored)
+
+    def _emit_layer(self, job: PrefillJob, table: torch.Tensor, layer: int) -> None:
+        n = len(job.token_ids)
+        ops = self.model.ops
+        for start in range(0, n, job.chunk_tokens):
+            count = min(job.chunk_tokens, n - start)
+            kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
+            job.emit(chunk_frame(job.request_id, job.chunks_sent, layer, start, kv))
+            job.chunks_sent += 1

@@ -1,0 +1,67 @@
+"""The HandoffService on prefill: validates, then relays the engine's frames to decode."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from common.capacity import Capacity
+from common.errors import ServiceError, abort_with
+from common.handoff.codec import header_frame
+from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
+from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
+from common.sampling import SamplingConfig
+from prefill_svc.engine import PrefillEngine, PrefillJob
+from prefill_svc.validation import PrefillLimits, validate_prefill
+
+
+class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
+    def __init__(self, engine: PrefillEngine, layout: KvLayout, capacity: Capacity,
+                 limits: PrefillLimits, refusals: dict[str, int], log) -> None:
+        self.engine = engine
+        self.layout = layout
+        self.capacity = capacity
+        self.limits = limits
+        self.refusals = refusals
+        self.log = log
+
+    async def GetPrefillInfo(self, request, context) -> handoff_pb2.GetPrefillInfoResponse:
+        return handoff_pb2.GetPrefillInfoResponse(
+            model_fingerprint=self.limits.model_fingerprint, layout=self.layout.to_proto(),
+            page_size=self.capacity.page_size, protocol_versions=[protocol_version()],
+            max_prompt_tokens=self.capacity.max_prompt_tokens,
+            max_context_tokens=self.capacity.context_window, vocab_size=self.limits.vocab_size)
+
+    async def Prefill(self, request: handoff_pb2.PrefillRequest, context):
+        log = self.log.bind(request_id=request.request_id, prompt_tokens=len(request.token_ids))
+        rejection = validate_prefill(request, self.limits)
+        fingerprint = self.limits.model_fingerprint
+        if rejection is not None:
+            self.refusals[rejection.reason_code] = self.refusals.get(rejection.reason_code, 0) + 1
+            log.warning("prefill_rejected", reason=rejection.reason_code, message=rejection.message)
+            yield header_frame(request.request_id, len(request.token_ids),
+                               handoff_pb2.HANDOFF_STATUS_REJECTED, None, fingerprint,
+                               rejection.message, rejection.reason_code)
+            await abort_with(context, ServiceError(rejection.code, rejection.reason_code,
+                                                   rejection.message))
+            return
+        loop = asyncio.get_running_loop()
+        frames: asyncio.Queue = asyncio.Queue()
+        max_chunk = request.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES
+        job = PrefillJob(
+            request_id=request.request_id, token_ids=list(request.token_ids),
+            sampling=SamplingConfig.from_proto(request.sampling, uuid.uuid4().int & (2**63 - 1)),
+            chunk_tokens=self.layout.chunk_tokens(max_chunk),
+            emit=lambda frame: loop.call_soon_threadsafe(frames.put_nowait, frame))
+        yield header_frame(request.request_id, len(request.token_ids),
+                           handoff_pb2.HANDOFF_STATUS_OK, self.layout, fingerprint)
+        log.info("prefill_started")
+        self.engine.submit(job)
+        try:
+            while (frame := await frames.get()) is not None:
+                yield frame
+            log.info("prefill_streamed", chunks=job.chunks_sent)
+        finally:
+            if not job.cancelled.is_set():
+                job.cancelled.set()  # no-op once the engine is done; stops work when decode left
+

@@ -1,0 +1,61 @@
+"""Prefill's checks of a PrefillRequest, before any page is touched or any forward pass runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from common.handoff.layout import PROTOCOL_MAJOR
+from common.handoff.reasons import REJECTION_CODES
+from common.pb.kvhandoff.v1 import handoff_pb2
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason_code: str
+    message: str
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return REJECTION_CODES[self.reason_code]
+
+
+@dataclass(frozen=True)
+class PrefillLimits:
+    vocab_size: int
+    context_window: int
+    pool_tokens: int
+    model_fingerprint: str
+    min_chunk_bytes: int
+
+
+def validate_prefill(request: handoff_pb2.PrefillRequest, limits: PrefillLimits) -> Rejection | None:
+    """Returns the first reason to refuse the request, or None when it may be computed."""
+    if not request.request_id:
+        return Rejection("MISSING_REQUEST_ID", "request_id is empty")
+    major = request.protocol_version.major
+    if major != PROTOCOL_MAJOR:
+        return Rejection("VERSION_UNSUPPORTED",
+                         f"protocol major version {major} is not supported; this prefill speaks "
+                         f"{PROTOCOL_MAJOR}")
+    if request.model_fingerprint and request.model_fingerprint != limits.model_fingerprint:
+        return Rejection("MODEL_MISMATCH", f"decode serves model {request.model_fingerprint!r}, "
+                         f"this prefill serves {limits.model_fingerprint!r}")
+    n = len(request.token_ids)
+    if n == 0:
+        return Rejection("EMPTY_PROMPT", "the prompt has no tokens")
+    bad = next((t for t in request.token_ids if t >= limits.vocab_size), None)
+    if bad is not None:
+        return Rejection("TOKEN_OUT_OF_VOCAB",
+                         f"token id {bad} is outside the vocabulary of {limits.vocab_size}")
+    if n > limits.context_window:
+        return Rejection("PROMPT_TOO_LONG", f"the prompt has {n} tokens, more than the context "
+                         f"window of {limits.context_window}")
+    if n > limits.pool_tokens:
+        return Rejection("POOL_TOO_SMALL", f"the prompt has {n} tokens but this prefill's KV pool "
+                         f"holds only {limits.pool_tokens} tokens even when empty")
+    if request.max_chunk_bytes and request.max_chunk_bytes < limits.min_chunk_bytes:
+        return Rejection("CHUNK_LIMIT_TOO_SMALL", f"max_chunk_bytes {request.max_chunk_bytes} is "
+                         f"below one token of one layer ({limits.min_chunk_bytes} bytes)")
+    return None
