@@ -1,0 +1,80 @@
+"""Capacity is a checked fact: start-up refusal, and decode agreeing with prefill on model,
+layout and limits before it serves anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.errors import error_reason
+from tests.helpers.checkpoints import SPECS, make_checkpoint
+from tests.helpers.cluster import REPO, generate, start_service
+
+pytestmark = pytest.mark.slow
+
+
+def test_pool_smaller_than_window_refuses_to_start():
+    proc = subprocess.run(
+        [sys.executable, "-m", "common.cli.main", "prefill", "--model", "demo", "--port", "0",
+         "--pool-tokens", "1000", "--max-context-tokens", "4096"],
+        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "refusing to start" in proc.stderr
+    assert "992" in proc.stderr and "4096" in proc.stderr
+    assert "--allow-context-beyond-pool" in proc.stderr
+
+
+def _health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _wait_for_log(service, event: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while event not in service.log_text():
+        assert time.monotonic() < deadline, f"no {event} in log:\n{service.log_text()[-2000:]}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("mismatch", ["model", "layout"])
+def test_decode_refuses_to_serve_with_a_different_prefill(tmp_path, mismatch):
+    if mismatch == "model":
+        path, _ = make_checkpoint(SPECS[0], tmp_path)
+        prefill_flags, decode_model = ["--model", str(path)], "demo"
+    else:  # same weights, KV in another dtype
+        prefill_flags, decode_model = ["--model", "demo", "--dtype", "bfloat16"], "demo"
+    prefill = start_service("prefill", tmp_path / "run", [*prefill_flags, "--pool-tokens", "4096"])
+    decode = start_service("decode", tmp_path / "run",
+                           ["--model", decode_model, "--prefill", prefill.address,
+                            "--pool-tokens", "4096"], wait_healthy=False)
+    try:
+        _wait_for_log(decode, "prefill_mismatch")
+        assert _health(decode.address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            generate(decode.address, token_ids=[3, 4, 5], max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert error_reason(info.value) == "PREFILL_MISMATCH"
+        assert prefill.stats().counters.get("forward_passes", 0) == 0
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def test_pool_sized_from_a_byte_budget_is_reported(tmp_path):
+    per_token = 2 * 4 * 2 * 64 * 4  # demo model, float32
+    prefill = start_service("prefill", tmp_path, [
+        "--model", "demo", "--pool-tokens", "0", "--kv-cache-bytes", str(per_token * 8192),
+        "--memory-fraction", "0.5"])
+    try:
+        pool = prefill.stats().pool
+        assert pool.tokens_total == 4096
+        assert pool.max_prompt_tokens == 4096
+        assert '"sized_by": "memory_fraction=0.5 of kv_cache_bytes"' in prefill.log_text()
+    finally:
+        prefill.stop()
