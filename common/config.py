@@ -64,6 +64,7 @@ class DecodeConfig:
     default_max_tokens: int = 256
     handoff_timeout_s: float = 60.0
     max_chunk_bytes: int = 4 << 20
+    prefill_info_interval_s: float = 5.0
     api_token: str = ""
     api_tls_cert: str = ""
     api_tls_key: str = ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,34 +38,67 @@ class RunningDecode:
     metrics_port: int
 
 
-async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClient,
-                    state: DecodeState, health, log) -> None:
-    """Asks prefill for its model, layout and limits until it answers; agrees or refuses."""
-    while True:
-        try:
-            info = await client.info(timeout=10.0)
-            break
-        except grpc.aio.AioRpcError as err:
-            log.warning("prefill_unreachable", target=client.target, code=err.code().name)
-            await asyncio.sleep(1.0)
+def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits | None
+           ) -> tuple[DecodeLimits | None, str]:
+    """Limits from one prefill's info, made no looser than what is already agreed; or why not."""
     mine = runtime.loaded.fingerprint
     if info.model_fingerprint != mine or not runtime.layout.matches(info.layout):
-        state.refusing = (f"prefill at {client.target} serves model {info.model_fingerprint} "
-                          f"with layout {info.layout}, this decode serves {mine} with "
-                          f"{runtime.layout.to_proto()}; refusing all requests")
-        log.error("prefill_mismatch", message=state.refusing)
-        return
+        return None, (f"prefill serves model {info.model_fingerprint} with layout "
+                      f"{_layout_text(info.layout)}; this decode serves {mine} with "
+                      f"{_layout_text(runtime.layout.to_proto())}; refusing all requests")
     capacity = runtime.capacity
-    state.limits = DecodeLimits(
+    limits = DecodeLimits(
         vocab_size=runtime.loaded.config.vocab_size,
         context_window=min(capacity.context_window, int(info.max_context_tokens)),
         own_pool_tokens=capacity.pool_tokens,
         prefill_max_prompt=min(capacity.max_prompt_tokens, int(info.max_prompt_tokens)),
         default_max_tokens=config.default_max_tokens)
-    log.info("prefill_agreed", target=client.target, prefill_max_prompt=info.max_prompt_tokens,
-             effective_max_prompt=state.limits.prefill_max_prompt,
-             context_window=state.limits.context_window)
-    await set_serving(health, SERVICE_NAMES, True)
+    if current is not None:
+        limits = dataclasses.replace(
+            limits, context_window=min(limits.context_window, current.context_window),
+            prefill_max_prompt=min(limits.prefill_max_prompt, current.prefill_max_prompt))
+    return limits, ""
+
+
+def _layout_text(layout) -> str:
+    return (f"(layers={layout.num_layers}, kv_heads={layout.num_kv_heads}, "
+            f"head_dim={layout.head_dim}, dtype={layout.dtype})")
+
+
+async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClient,
+                    state: DecodeState, health, log) -> None:
+    """Asks prefill for its model, layout and limits, at start and then every
+    prefill_info_interval_s (each call may reach another replica behind round_robin). Decode
+    serves only once they agree, refuses everything when a replica differs in model or layout,
+    and keeps the strictest limits any replica reported."""
+    while True:
+        try:
+            info = await client.info(timeout=10.0)
+        except grpc.aio.AioRpcError as err:
+            log.warning("prefill_unreachable", target=client.target, code=err.code().name)
+            await asyncio.sleep(1.0)
+            continue
+        limits, refusal = _agree(config, runtime, info, state.limits)
+        if refusal:
+            if not state.refusing:
+                log.error("prefill_mismatch", target=client.target, message=refusal)
+                await set_serving(health, SERVICE_NAMES, False)
+            state.refusing = refusal
+        elif limits != state.limits:
+            if state.limits is None:
+                log.info("prefill_agreed", target=client.target,
+                         prefill_max_prompt=info.max_prompt_tokens,
+                         effective_max_prompt=limits.prefill_max_prompt,
+                         context_window=limits.context_window)
+                await set_serving(health, SERVICE_NAMES, True)
+            else:
+                log.warning("prefill_limits_disagree", target=client.target,
+                            reported_max_prompt=info.max_prompt_tokens,
+                            effective_max_prompt=limits.prefill_max_prompt,
+                            message="prefill replicas report different limits; using the "
+                                    "strictest")
+            state.limits = limits
+        await asyncio.sleep(config.prefill_info_interval_s)
 
 
 async def start_decode(config: DecodeConfig) -> RunningDecode:
@@ -96,6 +130,9 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
         stats_pb2_grpc.add_StatsServiceServicer_to_server(stats, server)
         return SERVICE_NAMES
 
+    if peer_tls is None and svc.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("insecure_handoff", message="decode listens on a non-loopback address and "
+                    "talks to prefill without TLS; configure --tls-cert/--tls-key/--tls-ca")
     interceptors = [BearerTokenInterceptor(config.api_token)] if config.api_token else []
     api_tls = TlsFiles(config.api_tls_cert, config.api_tls_key) if config.api_tls_cert else None
     server, port, health = await create_server(register, svc.host, svc.port, api_tls, 4 << 20,

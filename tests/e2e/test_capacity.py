@@ -78,3 +78,29 @@ def test_pool_sized_from_a_byte_budget_is_reported(tmp_path):
         assert '"sized_by": "memory_fraction=0.5 of kv_cache_bytes"' in prefill.log_text()
     finally:
         prefill.stop()
+
+
+def test_replicas_that_disagree_leave_decode_with_the_strictest_limit(tmp_path):
+    flags = ["--model", "demo", "--max-context-tokens", "512", "--allow-context-beyond-pool"]
+    loose = start_service("prefill", tmp_path / "a", [*flags, "--pool-tokens", "256"])
+    strict = start_service("prefill", tmp_path / "b", [*flags, "--pool-tokens", "128"])
+    target = f"ipv4:{loose.address},{strict.address}"
+    decode = start_service("decode", tmp_path / "d", [
+        "--model", "demo", "--prefill", target, "--pool-tokens", "2048",
+        "--max-context-tokens", "512", "--prefill-info-interval-s", "0.2"])
+    try:
+        deadline = time.monotonic() + 60
+        while decode.stats().pool.max_prompt_tokens != 128:
+            assert time.monotonic() < deadline, decode.stats().pool
+            time.sleep(0.2)
+        assert "prefill_limits_disagree" in decode.log_text() or (
+            '"prefill_max_prompt": 128' in decode.log_text())
+        with pytest.raises(grpc.RpcError) as info:
+            generate(decode.address, token_ids=[5] * 200, max_tokens=2)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "128" in info.value.details()
+        assert len(generate(decode.address, token_ids=[5] * 100, max_tokens=2,
+                            ignore_eos=True).token_ids) == 2
+    finally:
+        for service in (decode, loose, strict):
+            service.stop()
