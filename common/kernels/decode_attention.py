@@ -44,7 +44,10 @@ except ImportError:  # pragma: no cover - CPU installs without Triton keep the r
     triton = tl = None
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 64
+_MAX_SPLITS = 64  # the reduce kernel holds all splits of one head in one tile
+# GPU launch config (no autotuning: the launch must be cheap and CUDA-graph capturable).
+_BLOCK_N, _NUM_WARPS, _NUM_STAGES = 64, 4, 2
+_PROGRAMS_PER_SM = 4
 
 
 def _decode_partial_kernel(
@@ -105,9 +108,9 @@ def _decode_partial_kernel(
             k_rows = page * stride_kc_page + within * stride_kc_off + kv_head * stride_kc_head
             v_rows = page * stride_vc_page + within * stride_vc_off + kv_head * stride_vc_head
             k = tl.load(
-                k_cache_ptr + k_rows[None, :] + offs_d[:, None], mask=mask_n[None, :], other=0.0
-            )  # [D, BLOCK_N]
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N]
+                k_cache_ptr + k_rows[:, None] + offs_d[None, :], mask=mask_n[:, None], other=0.0
+            )  # [BLOCK_N, D]
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [G, N]
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block has a real key
             alpha = tl.exp2(m_i - m_new)
@@ -173,11 +176,11 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _split_plan(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int) -> tuple[int, int]:
-    """-> (num_splits, split_size): enough (b, kv head, split) programs to fill ~4 per SM, each
-    split at least 2 key blocks, at most _MAX_SPLITS splits."""
+def _split_plan(batch: int, kv_heads: int, max_len: int, block_n: int, sms: int):
+    """-> (num_splits, split_size): enough (b, kv head, split) programs to give each SM
+    _PROGRAMS_PER_SM, each split at least 2 key blocks, at most _MAX_SPLITS splits."""
     blocks = triton.cdiv(max_len, block_n)
-    splits = triton.cdiv(4 * sms, batch * kv_heads)
+    splits = triton.cdiv(_PROGRAMS_PER_SM * sms, batch * kv_heads)
     splits = max(1, min(splits, _MAX_SPLITS, triton.cdiv(blocks, 2)))
     split_size = triton.cdiv(blocks, splits) * block_n
     return triton.cdiv(max_len, split_size), split_size
@@ -195,8 +198,9 @@ def decode_attention(
     page_table.shape[1] * page_size (a bound on seq_lens), so nothing syncs with the device and
     the launch can be captured in a CUDA graph."""
     batch, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads = k_cache.shape[:3]
-    assert v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
+    page_size, num_kv_heads = k_cache.shape[1:3]
+    assert v_cache.shape == k_cache.shape, (k_cache.shape, v_cache.shape)
+    assert k_cache.shape[3] == head_dim, (q.shape, k_cache.shape)
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert head_dim >= 16 and head_dim & (head_dim - 1) == 0 and head_dim <= 256, head_dim
     assert q.dtype == k_cache.dtype == v_cache.dtype, (q.dtype, k_cache.dtype)
@@ -209,8 +213,11 @@ def decode_attention(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    interpret = q.device.type != "cuda" or triton.knobs.runtime.interpret
-    block_n = 16 if interpret else 64
+    interpret = triton.knobs.runtime.interpret
+    assert q.is_cuda or interpret, "CPU tensors need TRITON_INTERPRET=1"
+    # Under the interpreter: small blocks and a pretend SM count, so short test sequences still
+    # take the multi-split path.
+    block_n = 16 if interpret else _BLOCK_N
     sms = 16 if interpret else _num_sms(q.device.index or 0)
     max_len = max(page_table.shape[1] * page_size, 1)
     num_splits, split_size = _split_plan(batch, num_kv_heads, max_len, block_n, sms)
@@ -247,8 +254,8 @@ def decode_attention(
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DIRECT=direct,
-        num_warps=4,
-        num_stages=2,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
     )
     if not direct:
         _jit(_decode_reduce_kernel)[(batch, num_q_heads)](

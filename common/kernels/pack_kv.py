@@ -50,6 +50,9 @@ try:
 except ImportError:  # pragma: no cover - CPU installs without Triton keep the reference
     triton = tl = None
 
+# GPU launch config: elements per K (and per V) tile of one program, and its warps.
+_TILE_ELEMS, _NUM_WARPS = 4096, 8
+
 
 def _pack_kv_kernel(
     k_cache_ptr,  # [P, S, Hkv, D]
@@ -109,12 +112,13 @@ def _launch(k_cache, v_cache, page_table, buffer, token_start, num_tokens, unpac
     for cache in (k_cache, v_cache):  # each token's [Hkv, D] row must be contiguous
         assert cache.stride(3) == 1 and cache.stride(2) == head_dim, cache.stride()
     assert token_start >= 0
+    assert k_cache.is_cuda or triton.knobs.runtime.interpret, "CPU tensors need TRITON_INTERPRET=1"
     assert token_start + num_tokens <= page_table.numel() * page_size, "page table too short"
     if num_tokens == 0:
         return
     row = num_heads * head_dim
     block_c = min(triton.next_power_of_2(row), 1024)
-    block_t = max(1, 4096 // block_c)
+    block_t = max(1, _TILE_ELEMS // block_c)  # tokens per program
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(row, block_c))
     _jit(_pack_kv_kernel)[grid](
         k_cache,
@@ -132,7 +136,7 @@ def _launch(k_cache, v_cache, page_table, buffer, token_start, num_tokens, unpac
         BLOCK_T=block_t,
         BLOCK_C=block_c,
         UNPACK=unpack,
-        num_warps=8,
+        num_warps=_NUM_WARPS,
     )
 
 

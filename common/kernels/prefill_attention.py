@@ -97,8 +97,8 @@ def _prefill_attention_kernel(
         # Stage 1: key blocks wholly below the diagonal (all keys < m0 < seqlen): no masks.
         for n0 in range(0, m0, BLOCK_N):
             cols = n0 + offs_n
-            k = tl.load(k_base + cols[None, :] * stride_kt + offs_d[:, None])  # [D, BLOCK_N]
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+            k = tl.load(k_base + cols[:, None] * stride_kt + offs_d[None, :])  # [BLOCK_N, D]
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
@@ -113,9 +113,9 @@ def _prefill_attention_kernel(
         for n0 in range(m0, hi, BLOCK_N):
             cols = n0 + offs_n
             mask_n = cols < seqlen
-            k_ptrs = k_base + cols[None, :] * stride_kt + offs_d[:, None]
-            k = tl.load(k_ptrs, mask=mask_n[None, :], other=0.0)  # [D, BLOCK_N]
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+            k_ptrs = k_base + cols[:, None] * stride_kt + offs_d[None, :]
+            k = tl.load(k_ptrs, mask=mask_n[:, None], other=0.0)  # [BLOCK_N, D]
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             visible = (offs_m[:, None] >= cols[None, :]) & mask_n[None, :]
             qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -188,7 +188,8 @@ def prefill_attention(
     batch = cu_seqlens.numel() - 1
     if num_tokens == 0 or batch == 0 or max_seqlen <= 0:
         return out
-    interpret = q.device.type != "cuda" or triton.knobs.runtime.interpret
+    interpret = triton.knobs.runtime.interpret
+    assert q.is_cuda or interpret, "CPU tensors need TRITON_INTERPRET=1"
     kernel, fixed = _kernel(interpret)
     seq_bucket = min(max(triton.next_power_of_2(max_seqlen), 256), 16384)
 

@@ -75,6 +75,7 @@ def rmsnorm(
     hidden = x.shape[-1]
     assert weight.shape == (hidden,) and weight.is_contiguous(), (weight.shape, x.shape)
     assert x.dtype.is_floating_point and weight.dtype.is_floating_point
+    assert x.is_cuda or triton.knobs.runtime.interpret, "CPU tensors need TRITON_INTERPRET=1"
     x2 = x.reshape(-1, hidden)  # [T, H]
     assert x2.stride(-1) == 1
     out_dtype = torch.promote_types(weight.dtype, x.dtype)  # as `weight * normed`

@@ -104,6 +104,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: tor
     assert cos_sin.dim() == 2 and cos_sin.shape[1] == head_dim and cos_sin.dtype == torch.float32
     assert cos_sin.stride(1) == 1
     assert q.stride(-1) == 1 and k.stride(-1) == 1, "head_dim must be contiguous"
+    assert q.is_cuda or triton.knobs.runtime.interpret, "CPU tensors need TRITON_INTERPRET=1"
     if num_tokens == 0:
         return
     half = head_dim // 2

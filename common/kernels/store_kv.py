@@ -101,6 +101,7 @@ def store_kv(
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "head_dim must be contiguous"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     assert slot_mapping.is_contiguous()
+    assert key.is_cuda or triton.knobs.runtime.interpret, "CPU tensors need TRITON_INTERPRET=1"
     if num_tokens == 0:
         return
     block_hd = triton.next_power_of_2(num_heads * head_dim)

@@ -15,7 +15,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import pytest  # noqa: E402
+import pytest
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -24,6 +24,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     """Skip ``@pytest.mark.gpu`` tests (bf16 kernels) without a CUDA device."""
     if item.get_closest_marker("gpu") is not None and not HAS_CUDA:
         pytest.skip("needs a CUDA device (bf16 is not reliable under the Triton interpreter)")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
 
 
 @pytest.fixture
@@ -69,7 +74,7 @@ def build_paged_kv(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     used = 0
-    for b, (n, pages_needed) in enumerate(zip(lens, needed)):
+    for b, (n, pages_needed) in enumerate(zip(lens, needed, strict=True)):
         pages = perm[used : used + pages_needed]
         used += pages_needed
         page_table[b, :pages_needed] = pages.to(torch.int32)
@@ -77,7 +82,9 @@ def build_paged_kv(
         k_flat[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
         v_flat[slots] = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
-    return PagedKV(k_cache.to(device), v_cache.to(device), page_table.to(device), seq_lens.to(device))
+    return PagedKV(
+        k_cache.to(device), v_cache.to(device), page_table.to(device), seq_lens.to(device)
+    )
 
 
 @pytest.fixture

@@ -61,4 +61,5 @@ def test_strided_query(make_paged_kv, tol, device):
     qkv = torch.randn(2, 8 + 2 * NUM_KV_HEADS, 64, device=device)
     q = qkv[:, :8]
     args = (q, paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
-    torch.testing.assert_close(decode_attention(*args), decode_attention_reference(*args), **tol(F32))
+    out = decode_attention(*args)
+    torch.testing.assert_close(out, decode_attention_reference(*args), **tol(F32))

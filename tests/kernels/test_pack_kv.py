@@ -22,7 +22,9 @@ PARAMS = ("start", "num_tokens", "page_size", "heads", "head_dim", "dtype")
 
 
 @pytest.mark.parametrize(PARAMS, CASES)
-def test_pack_matches_reference(make_paged_kv, start, num_tokens, page_size, heads, head_dim, dtype):
+def test_pack_matches_reference(
+    make_paged_kv, start, num_tokens, page_size, heads, head_dim, dtype
+):
     width = (start + num_tokens + page_size - 1) // page_size + 4
     paged = make_paged_kv([start + num_tokens], page_size, heads, head_dim, dtype, width=width)
     page_table = paged.page_table[0]  # padded past the request's pages with a NaN page

@@ -33,7 +33,8 @@ def _pool(num_tokens, page_size, heads, head_dim, dtype, device):
 
 @pytest.mark.parametrize(("num_tokens", "page_size", "heads", "head_dim", "dtype"), CASES)
 def test_matches_reference(device, num_tokens, page_size, heads, head_dim, dtype):
-    key, value, k_cache, v_cache, slots = _pool(num_tokens, page_size, heads, head_dim, dtype, device)
+    tensors = _pool(num_tokens, page_size, heads, head_dim, dtype, device)
+    key, value, k_cache, v_cache, slots = tensors
     slots[::3] = -1  # padding tokens: skipped
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
     store_kv(key, value, k_cache, v_cache, slots)
