@@ -51,14 +51,17 @@ def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
 
 
-def _pool_tokens(service: ServiceConfig, per_token: int, device: torch.device) -> tuple[int, str]:
+def _pool_tokens(service: ServiceConfig, per_token: int, device: torch.device,
+                 activation_peak_bytes: int) -> tuple[int, str]:
     if service.pool_tokens > 0:
         return service.pool_tokens, "pool_tokens"
     if service.memory_fraction > 0:
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * service.memory_fraction)
-            return budget // per_token, f"memory_fraction={service.memory_fraction} of {free} free bytes"
+            budget = int(free * service.memory_fraction) - activation_peak_bytes
+            return max(budget, 0) // per_token, (
+                f"memory_fraction={service.memory_fraction} of {free} free bytes after the "
+                f"weights, less a measured activation peak of {activation_peak_bytes} bytes")
         if service.kv_cache_bytes <= 0:
             raise CapacityError("--memory-fraction on the CPU needs --kv-cache-bytes as the budget")
         budget = int(service.kv_cache_bytes * service.memory_fraction)
@@ -69,8 +72,9 @@ def _pool_tokens(service: ServiceConfig, per_token: int, device: torch.device) -
 
 
 def plan_capacity(service: ServiceConfig, model: ModelConfig, dtype: torch.dtype,
-                  device: torch.device) -> Capacity:
-    """Sizes the pool (call after the weights are on the device) and checks the invariant."""
+                  device: torch.device, activation_peak_bytes: int = 0) -> Capacity:
+    """Sizes the pool (call after the weights are on the device and the activation peak was
+    measured) and checks the invariant."""
     if service.page_size < 1:
         raise CapacityError(f"--page-size must be >= 1, got {service.page_size}")
     window = service.max_context_tokens or model.max_position_embeddings
@@ -78,7 +82,7 @@ def plan_capacity(service: ServiceConfig, model: ModelConfig, dtype: torch.dtype
         raise CapacityError(f"--max-context-tokens {window} exceeds the model's "
                             f"max_position_embeddings {model.max_position_embeddings}")
     per_token = kv_bytes_per_token(model, dtype)
-    tokens, sized_by = _pool_tokens(service, per_token, device)
+    tokens, sized_by = _pool_tokens(service, per_token, device, activation_peak_bytes)
     num_pages = tokens // service.page_size
     if num_pages < 1:
         raise CapacityError(f"the pool holds {tokens} tokens, less than one page of "

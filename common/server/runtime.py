@@ -42,7 +42,10 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
     loaded = load_model(config.model)
     ops = make_ops(kernels, device)
     model = LlamaModel(loaded.config, loaded.weights, ops, device, dtype)
-    capacity = plan_capacity(config, loaded.config, dtype, device)
+    peak = 0
+    if device.type == "cuda" and config.pool_tokens == 0 and config.memory_fraction > 0:
+        peak = measure_activation_peak(model, min(PROFILE_TOKENS, loaded.config.max_position_embeddings))
+    capacity = plan_capacity(config, loaded.config, dtype, device, peak)
     pool_config = PoolConfig(
         pool_tokens=capacity.pool_tokens, page_size=capacity.page_size,
         poison_freed=config.poison_freed_pages, scrub_freed=config.scrub_freed_pages,
@@ -54,6 +57,35 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
              device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
              **capacity.describe())
     return Runtime(loaded, model, pool, capacity, layout, kernels)
+
+
+PROFILE_TOKENS = 8192
+
+
+def measure_activation_peak(model: LlamaModel, num_tokens: int) -> int:
+    """Peak extra device bytes of one prefill of num_tokens; KV stores are skipped (slot -1),
+    so no pool is needed yet."""
+    from common.model.llama import PrefillBatch
+
+    device = model.device
+    c = model.config
+    k_scratch = torch.empty(c.num_layers, 1, 1, c.num_kv_heads, c.head_dim, dtype=model.dtype,
+                            device=device)
+    batch = PrefillBatch(
+        token_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.arange(num_tokens, dtype=torch.int64, device=device),
+        slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+        cu_seqlens=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
+        max_seqlen=num_tokens)
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    model.prefill(batch, k_scratch, k_scratch)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del k_scratch
+    torch.cuda.empty_cache()
+    return peak
 
 
 def warm_up(runtime: Runtime) -> None:

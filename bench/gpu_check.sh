@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run (sized for an H200 lease of a few minutes).
+# Usage (repo root, on the GPU machine): OUT=/some/dir bash bench/gpu_check.sh
+# Needs torch + triton on the machine; the other Python packages come from .gpu_wheels/ when
+# present (made with `pip download` for the machine's Python) and go to a private folder.
+set -uo pipefail
+OUT=${OUT:-/tmp/kvhandoff_gpu}
+mkdir -p "$OUT"
+if [ -d .gpu_wheels ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/kvh_extra .gpu_wheels/*.whl
+  export PYTHONPATH=/tmp/kvh_extra:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.txt"
+
+step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; local rc=$?
+  tail -n 60 "$OUT/$name.txt"; echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
+
+step kernels 240 python3 bench/kernels.py --json "$OUT/kernels.json"
+step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/unit/test_capacity.py
+step e2e_gpu 240 python3 -m pytest -q -p no:cacheprovider -x tests/e2e/test_triton_services.py tests/e2e/test_matches_transformers.py
+[ -f bench/decode_throughput.py ] && step decode_throughput 90 python3 bench/decode_throughput.py --device cuda
+[ -f bench/capacity_report.py ] && step capacity 60 python3 bench/capacity_report.py
+echo "all steps done in ${SECONDS}s"
+# The real service sizing its pool from device memory (demo model), read from its start-up log.
+echo "=== service_sizing"
+(timeout 90 python3 -m common.cli.main prefill --model demo --pool-tokens 0 --memory-fraction 0.5 \
+   --allow-context-beyond-pool --port 0 > "$OUT/service_sizing.txt" 2>&1 &)
+for i in $(seq 1 80); do grep -q '"event": "serving"' "$OUT/service_sizing.txt" 2>/dev/null && break; sleep 1; done
+grep runtime_ready "$OUT/service_sizing.txt"; pkill -f "common.cli.main prefill" || true
+echo "finished in ${SECONDS}s"
