@@ -1,6 +1,11 @@
 """Receiving one handoff on decode: every frame through the verifier, every verified chunk to
 the engine, and a refusal (HandoffRefused) for anything else. The caller frees the reservation
-when this raises."""
+when this raises; this function ends (cancels) the prefill call however it returns.
+
+The handoff gets the caller's budget less a margin (SPEC.md D-22), so that when prefill stalls
+decode's own DEADLINE_EXCEEDED/HANDOFF_TIMEOUT reaches the client before the client's deadline
+does.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,21 @@ import time
 
 import grpc
 
+from common.errors import error_reason
 from common.handoff.codec import bytes_to_kv
 from common.handoff.reasons import HandoffRefused, refuse
-from common.handoff.verifier import Expectation, HandoffVerifier
+from common.handoff.verifier import Expectation, HandoffState, HandoffVerifier
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.engine import DecodeEngine
 from decode_svc.prefill_client import PrefillClient
+
+DEADLINE_MARGIN_FRACTION = 0.1
+DEADLINE_MARGIN_MAX_S = 1.0
+
+
+def handoff_budget(timeout: float) -> float:
+    """The prefill call's deadline: the caller's budget less 10% (at most 1 s)."""
+    return timeout - min(DEADLINE_MARGIN_MAX_S, DEADLINE_MARGIN_FRACTION * timeout)
 
 
 async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
@@ -21,7 +35,7 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
                           timeout: float) -> tuple[int, int]:
     """Returns (first token id, payload bytes received) once the commit is verified."""
     verifier = HandoffVerifier(expect)
-    call = client.prefill(request, timeout)
+    call = client.prefill(request, handoff_budget(timeout))
     received = 0
     started = time.monotonic()
     try:
@@ -29,14 +43,14 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
             chunk = verifier.on_frame(frame)
             if chunk is not None:
                 received += len(chunk.k) + len(chunk.v)
-                kv = bytes_to_kv(expect.layout, chunk.k, chunk.v, chunk.token_end - chunk.token_start)
+                count = chunk.token_end - chunk.token_start
+                kv = bytes_to_kv(expect.layout, chunk.k, chunk.v, count)
                 engine.write(expect.request_id, chunk.layer, chunk.token_start, kv)
         return verifier.finish(), received
-    except HandoffRefused:
-        call.cancel()
-        raise
     except grpc.aio.AioRpcError as err:
         raise _refusal_from_rpc_error(err, verifier, time.monotonic() - started) from err
+    finally:
+        call.cancel()  # a no-op once the call is done; stops prefill's work otherwise
 
 
 def _refusal_from_rpc_error(err: grpc.aio.AioRpcError, verifier: HandoffVerifier,
@@ -45,13 +59,15 @@ def _refusal_from_rpc_error(err: grpc.aio.AioRpcError, verifier: HandoffVerifier
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return refuse("HANDOFF_TIMEOUT", f"the handoff did not complete within {elapsed:.1f}s "
                       f"({verifier.chunks_seen} chunks received)")
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "message" in (err.details() or "").lower():
+    if (code == grpc.StatusCode.RESOURCE_EXHAUSTED and error_reason(err) is None
+            and "larger than max" in (err.details() or "")):
+        # grpc's own receive limit (max_chunk_bytes plus framing): the peer sent a frame over it
         return refuse("FRAME_TOO_LARGE", f"prefill sent a frame over the negotiated size: "
                       f"{err.details()}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
         return refuse("PEER_UNAVAILABLE", f"prefill failed mid-handoff: "
                       f"{code.name}: {err.details()}")
-    if verifier.state.value == "await_header":
+    if verifier.state == HandoffState.AWAIT_HEADER:
         # Prefill ended the call with an error before its header: pass its status on.
         return HandoffRefused(code, "PEER_REJECTED", f"prefill refused: {err.details()}")
     return refuse("PEER_ABORTED", f"prefill ended the handoff with {code.name}: {err.details()}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import google_crc32c
 
-from common.handoff.layout import PROTOCOL_MAJOR, KvLayout
+from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, PROTOCOL_MAJOR, KvLayout
 from common.handoff.reasons import REJECTION_CODES, HandoffRefused, refuse
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -35,7 +35,7 @@ class Expectation:
     token_count: int
     layout: KvLayout
     model_fingerprint: str
-    max_chunk_bytes: int
+    max_chunk_bytes: int  # as sent in the PrefillRequest; 0 means DEFAULT_MAX_CHUNK_BYTES
     vocab_size: int
 
 
@@ -75,14 +75,20 @@ class HandoffVerifier:
             raise self._fail("PEER_REJECTED", f"prefill rejected the prompt "
                              f"({reason_code or 'no code'}): {reason or 'no reason given'}", code)
         if status == ABORTED:
-            raise self._fail("PEER_ABORTED", f"prefill aborted the handoff: {reason or 'no reason'}")
-        raise self._fail("STATUS_UNSPECIFIED",
-                         f"{frame_name} status is {handoff_pb2.HandoffStatus.Name(status) if status in handoff_pb2.HandoffStatus.values() else status}, not OK")
+            raise self._fail("PEER_ABORTED",
+                             f"prefill aborted the handoff: {reason or 'no reason'}")
+        known = status in handoff_pb2.HandoffStatus.values()
+        name = handoff_pb2.HandoffStatus.Name(status) if known else str(status)
+        raise self._fail("STATUS_UNSPECIFIED", f"{frame_name} status is {name}, not OK")
 
-    def on_frame(self, frame: handoff_pb2.PrefillResponse) -> VerifiedChunk | None:
-        """Checks one frame; returns the chunk to write when it is a verified chunk."""
-        if self.state in (HandoffState.REFUSED,):
+    def on_frame(self, frame: handoff_pb2.PrefillResponse | None) -> VerifiedChunk | None:
+        """Checks one frame; returns the chunk to write when it is a verified chunk. None is a
+        frame that did not parse (grpc hands over None when the deserializer fails)."""
+        if self.state == HandoffState.REFUSED:
             raise refuse("FRAME_AFTER_COMMIT", "frame after the handoff was refused")
+        if frame is None:
+            raise self._fail("FRAME_MALFORMED", "a frame did not parse as a kvhandoff.v1 "
+                             "PrefillResponse")
         kind = frame.WhichOneof("frame")
         if kind is None:
             raise self._fail("FRAME_EMPTY", "a frame carries neither header, chunk nor commit")
@@ -104,7 +110,8 @@ class HandoffVerifier:
         self._check_request_id("header", header.request_id)
         if header.protocol_version.major != PROTOCOL_MAJOR:
             raise self._fail("VERSION_UNSUPPORTED", f"protocol major version "
-                             f"{header.protocol_version.major}; this decode speaks {PROTOCOL_MAJOR}")
+                             f"{header.protocol_version.major}; this decode speaks "
+                             f"{PROTOCOL_MAJOR}")
         self._check_status("header", header.status, header.reason, header.reason_code)
         if header.token_count != self.expect.token_count:
             raise self._fail("TOKEN_COUNT_MISMATCH", f"header token count {header.token_count}, "
@@ -132,9 +139,10 @@ class HandoffVerifier:
             raise self._fail("CHUNK_RANGE_INVALID", f"chunk token range [{start}, {end}) is not "
                              f"inside [0, {self.expect.token_count})")
         payload = len(chunk.k) + len(chunk.v)
-        if payload > self.expect.max_chunk_bytes:
+        limit = self.expect.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES  # 0: the default
+        if payload > limit:
             raise self._fail("FRAME_TOO_LARGE", f"chunk payload {payload} bytes exceeds the "
-                             f"negotiated maximum {self.expect.max_chunk_bytes}")
+                             f"negotiated maximum {limit}")
         expected = (end - start) * layout.bytes_per_token_per_layer
         if len(chunk.k) != expected or len(chunk.v) != expected:
             raise self._fail("CHUNK_SIZE_MISMATCH", f"chunk K/V are {len(chunk.k)}/{len(chunk.v)} "

@@ -1,0 +1,204 @@
+"""`kvhandoff conformance decode`: the suite serves a scripted fake prefill (a proxy in front of
+a real reference prefill) and drives the decode under test, which was started with
+`--prefill` = the fake's address. One case at a time: set the script, call Generate, check the
+status, the ErrorInfo reason, that no token came out, that decode ended its prefill call, and
+that decode's pool (StatsService) is back at baseline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from conformance.decode_cases import decode_cases
+from conformance.decode_script import DecodeCase, tokens
+from conformance.fake_prefill import Exchange, FakePrefill, passthrough
+from conformance.pool import PoolWatch
+from conformance.report import CaseResult, Selection
+from conformance.runner import Case, prompt_ids, run_cases
+from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, ERROR_DOMAIN, PROTOCOL_MAJOR, token_bytes
+from conformance.wire import RpcOutcome, outcome_of
+
+MAX_TOKENS = 2
+
+
+@dataclass
+class DecodeTarget:
+    channel: grpc.aio.Channel
+    fake: FakePrefill
+    pool: PoolWatch
+    timeout: float
+    settle_timeout: float
+    max_prompt_tokens: int = 0
+    negotiated_max_chunk: int = DEFAULT_MAX_CHUNK_BYTES
+    vocab_size: int = 0
+
+    def oversize_prompt_tokens(self) -> int:
+        """A prompt long enough for one layout-consistent chunk over the negotiated maximum,
+        when decode's limits allow it (else the usual length; the case then pads a chunk)."""
+        need = self.negotiated_max_chunk // (2 * token_bytes(self.fake.info.layout)) + 1
+        return need if need <= self.max_prompt_tokens else 24
+
+
+@dataclass
+class CaseRun:
+    """What one Generate call through the fake did."""
+
+    prompt: list[int]
+    tokens: list[int]
+    outcome: RpcOutcome
+    exchanges: list[Exchange] = field(default_factory=list)
+
+
+async def generate(t: DecodeTarget, prompt: list[int], deadline: float | None) -> CaseRun:
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True,
+        sampling=common_pb2.SamplingParams(temperature=0.0))
+    run = CaseRun(prompt, [], RpcOutcome(grpc.StatusCode.OK))
+    call = generate_pb2_grpc.GenerationServiceStub(t.channel).Generate(
+        request, timeout=deadline or t.timeout)
+    try:
+        async for response in call:
+            if response.HasField("token"):
+                run.tokens.append(response.token.token_id)
+    except grpc.aio.AioRpcError as err:
+        run.outcome = outcome_of(err)
+    return run
+
+
+async def play(t: DecodeTarget, case: DecodeCase) -> CaseRun:
+    """Runs one case's Generate call with its script in place; returns what happened."""
+    n = case.prompt_tokens(t) if callable(case.prompt_tokens) else case.prompt_tokens
+    prompt = prompt_ids(n, t.vocab_size, zlib.crc32(case.case_id.encode()))
+    t.fake.exchanges.clear()
+    t.fake.script = case.script
+    run = await generate(t, prompt, case.deadline)
+    run.exchanges = list(t.fake.exchanges)
+    for exchange in run.exchanges:  # decode must have ended (or cancelled) its prefill call
+        try:
+            await asyncio.wait_for(exchange.done.wait(), t.settle_timeout)
+        except asyncio.TimeoutError:
+            pass
+    t.fake.script = passthrough
+    return run
+
+
+def check_run(case: DecodeCase, run: CaseRun) -> list[str]:
+    problems: list[str] = []
+    if not run.exchanges:
+        return [f"[D-03] decode never called the fake prefill ({run.outcome.describe()})"]
+    first = run.exchanges[0]
+    if first.error:
+        return [f"suite could not script the case: {first.error}"]
+    if not all(e.done.is_set() for e in run.exchanges):
+        problems.append("[D-24] decode left its prefill call open after the request ended")
+    expect, out = case.expect, run.outcome
+    if expect.code is None:
+        commit = first.last_commit_sent()
+        if out.code != grpc.StatusCode.OK:
+            problems.append(f"[D-25] a good handoff failed: {out.describe()}")
+        elif not run.tokens:
+            problems.append("[D-25] a good handoff produced no token")
+        elif commit is not None and run.tokens[0] != commit.first_token_id:
+            problems.append(f"[D-25] first token {run.tokens[0]} is not the commit's "
+                            f"first_token_id {commit.first_token_id}")
+        return problems
+    if run.tokens:
+        problems.append(f"[D-24] {len(run.tokens)} token(s) emitted for a refused handoff")
+    reason_ok = out.reason == expect.reason or (expect.reason_optional and out.reason is None)
+    if out.code != expect.code or not reason_ok:
+        problems.append(f"[{case.rule}] got {out.describe()}; expected {expect.code.name} "
+                        f"reason={expect.reason}")
+    elif out.reason is not None and out.domain != ERROR_DOMAIN:
+        problems.append(f"[G-05] ErrorInfo domain {out.domain!r}, expected {ERROR_DOMAIN!r}")
+    return problems
+
+
+def _as_case(case: DecodeCase) -> Case[DecodeTarget]:
+    async def run(t: DecodeTarget) -> list[str]:
+        return check_run(case, await play(t, case))
+    return Case(case.case_id, case.rule, case.level, case.expectation, run)
+
+
+async def _request_well_formed(t: DecodeTarget) -> list[str]:
+    runs = [await play(t, DecodeCase("request_well_formed", "D-03", "MUST", "", passthrough,
+                                     tokens(), prompt_tokens=5 + k)) for k in range(2)]
+    problems, ids = [], []
+    for run in runs:
+        if not run.exchanges:
+            return [f"[D-03] decode never called the fake prefill ({run.outcome.describe()})"]
+        r = run.exchanges[0].request
+        ids.append(r.request_id)
+        if list(r.token_ids) != run.prompt:
+            problems.append(f"[D-03] PrefillRequest token_ids {list(r.token_ids)[:8]}... are "
+                            f"not the client's prompt {run.prompt[:8]}...")
+        if r.protocol_version.major != PROTOCOL_MAJOR:
+            problems.append(f"[D-03] PrefillRequest protocol major {r.protocol_version.major}")
+        if r.model_fingerprint != t.fake.info.model_fingerprint:
+            problems.append(f"[D-03] PrefillRequest model {r.model_fingerprint!r} is not the "
+                            f"served model {t.fake.info.model_fingerprint!r}")
+    if not all(ids) or len(set(ids)) != len(ids):
+        problems.append(f"[D-03] request ids {ids} are not non-empty and unique")
+    return problems
+
+
+async def wait_serving(channel: grpc.aio.Channel, timeout: float) -> None:
+    stub = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout
+    last = "no answer"
+    while time.monotonic() < deadline:
+        try:
+            status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        except grpc.aio.AioRpcError as err:
+            last = err.code().name
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"decode not SERVING after {timeout:.0f}s (last: {last}); was it started "
+                       f"with --prefill pointing at the fake's listen address?")
+
+
+async def open_target(decode: str, fake: FakePrefill, timeout: float, settle_timeout: float,
+                      wait: float) -> DecodeTarget:
+    """Waits for the decode to serve, takes its pool baseline and learns its limits."""
+    channel = grpc.aio.insecure_channel(decode, options=[  # the decode may start after us
+        ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
+    await wait_serving(channel, wait)
+    pool = PoolWatch(channel)
+    base = await pool.take_baseline()
+    t = DecodeTarget(channel, fake, pool, timeout, settle_timeout,
+                     max_prompt_tokens=int(min(base.max_prompt_tokens,
+                                               base.max_context_tokens - MAX_TOKENS)),
+                     vocab_size=fake.info.vocab_size)
+    probe = await play(t, decode_cases()[0])  # learns decode's max_chunk_bytes
+    if probe.exchanges and probe.exchanges[0].request.max_chunk_bytes:
+        t.negotiated_max_chunk = probe.exchanges[0].request.max_chunk_bytes
+    await pool.settled(settle_timeout)
+    return t
+
+
+async def run_decode_suite(decode: str, listen: str, reference: str, selection: Selection,
+                           timeout: float, settle_timeout: float, wait: float,
+                           stall_deadline: float, progress=None) -> list[CaseResult]:
+    fake = FakePrefill(reference)
+    await fake.start(listen)
+    try:
+        t = await open_target(decode, fake, timeout, settle_timeout, wait)
+        try:
+            cases = [Case("request_well_formed", "D-03", "MUST", "PrefillRequest carries the "
+                          "prompt, protocol 1, the model and a fresh request id",
+                          _request_well_formed)]
+            cases += [_as_case(c) for c in decode_cases(stall_deadline)]
+            return await run_cases(cases, t, selection,
+                                   lambda: t.pool.settled(settle_timeout), progress)
+        finally:
+            await t.channel.close()
+    finally:
+        await fake.stop()

@@ -1,0 +1,130 @@
+"""The scripted fake prefill: a proxy in front of a real reference prefill of the same model.
+
+GetPrefillInfo is forwarded unchanged, so the decode under test agrees to serve. On Prefill the
+fake fetches the whole handoff from the reference for decode's own request, then plays the
+current script (the reference frames unchanged, or a broken variant of them) and records what
+happened: the request, the frames sent, and whether decode cancelled the call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
+from conformance.decode_script import Abort, Script, ScriptInput, Sleep
+from conformance.handoff_edit import Frame, Handoff
+from conformance.spec import ERROR_DOMAIN
+from conformance.wire import read_handoff
+
+SERVICE = "kvhandoff.v1.HandoffService"
+REFERENCE_TIMEOUT = 120.0
+
+
+@dataclass
+class Exchange:
+    """One Prefill call from the decode under test."""
+
+    request: handoff_pb2.PrefillRequest
+    sent: list[Frame | bytes] = field(default_factory=list)
+    cancelled: bool = False
+    error: str = ""  # set when the fake could not play its script (e.g. the reference failed)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def last_commit_sent(self) -> handoff_pb2.HandoffCommit | None:
+        commits = [f.commit for f in self.sent if isinstance(f, Frame) and f.HasField("commit")]
+        return commits[-1] if commits else None
+
+
+def passthrough(i: ScriptInput) -> list:
+    return list(i.ref.original)
+
+
+def error_status(step: Abort) -> grpc.Status:
+    details = []
+    if step.reason is not None:
+        detail = any_pb2.Any()
+        detail.Pack(error_details_pb2.ErrorInfo(reason=step.reason, domain=ERROR_DOMAIN))
+        details.append(detail)
+    return rpc_status.to_status(status_pb2.Status(
+        code=step.code.value[0], message=step.message, details=details))
+
+
+class FakePrefill:
+    """Serve with `start(listen)`; set `script` before each decode call; read `exchanges`."""
+
+    def __init__(self, reference: str) -> None:
+        self.reference = reference
+        self.script: Script = passthrough
+        self.exchanges: list[Exchange] = []
+        self.info: handoff_pb2.GetPrefillInfoResponse | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._server: grpc.aio.Server | None = None
+
+    async def start(self, listen: str) -> int:
+        self._channel = grpc.aio.insecure_channel(
+            self.reference, options=[("grpc.max_receive_message_length", 256 << 20)])
+        self.info = await handoff_pb2_grpc.HandoffServiceStub(self._channel).GetPrefillInfo(
+            handoff_pb2.GetPrefillInfoRequest(), timeout=REFERENCE_TIMEOUT, wait_for_ready=True)
+        raw = lambda m: m if isinstance(m, bytes) else m.SerializeToString()  # noqa: E731
+        handlers = {
+            "Prefill": grpc.unary_stream_rpc_method_handler(
+                self._prefill, request_deserializer=handoff_pb2.PrefillRequest.FromString,
+                response_serializer=raw),
+            "GetPrefillInfo": grpc.unary_unary_rpc_method_handler(
+                self._info, request_deserializer=handoff_pb2.GetPrefillInfoRequest.FromString,
+                response_serializer=raw),
+        }
+        self._server = grpc.aio.server(options=[("grpc.max_send_message_length", -1)])
+        self._server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(SERVICE, handlers)])
+        port = self._server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"the fake prefill could not listen on {listen}")
+        await self._server.start()
+        return port
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(0)
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _info(self, request, context):
+        stub = handoff_pb2_grpc.HandoffServiceStub(self._channel)
+        return await stub.GetPrefillInfo(request, timeout=REFERENCE_TIMEOUT)
+
+    async def _prefill(self, request: handoff_pb2.PrefillRequest, context):
+        exchange = Exchange(request)
+        self.exchanges.append(exchange)
+        script = self.script
+        try:
+            received = await read_handoff(self._channel, request, REFERENCE_TIMEOUT)
+            try:
+                ref = Handoff.from_frames(received.frames)
+                steps = script(ScriptInput(request, ref, self.info.vocab_size))
+            except Exception as exc:
+                exchange.error = (f"could not build the scripted handoff from the reference "
+                                  f"({received.kinds()[:4]}, {received.outcome.describe()}): "
+                                  f"{type(exc).__name__}: {exc}")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, exchange.error)
+                return
+            for step in steps:
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                elif isinstance(step, Abort):
+                    await context.abort_with_status(error_status(step))
+                    return
+                else:
+                    exchange.sent.append(step)
+                    yield step
+        except asyncio.CancelledError:
+            exchange.cancelled = True
+            raise
+        finally:
+            exchange.done.set()

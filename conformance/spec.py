@@ -1,0 +1,74 @@
+"""The facts of SPEC.md the suite checks against: protocol version, reason codes and the gRPC
+status each one ends in (SPEC.md, "Error mapping"), and the wire sizes of each dtype."""
+
+from __future__ import annotations
+
+import grpc
+
+from common.pb.kvhandoff.v1 import common_pb2
+
+C = grpc.StatusCode
+
+PROTOCOL_MAJOR = 1
+ERROR_DOMAIN = "kvhandoff.v1"
+DEFAULT_MAX_CHUNK_BYTES = 4 << 20
+
+# Decode's refusals of a handoff: reason -> status its client sees (SPEC.md "Decode refusals").
+REFUSAL_STATUS: dict[str, grpc.StatusCode] = {
+    "PEER_REJECTED": C.FAILED_PRECONDITION,
+    "PEER_ABORTED": C.ABORTED,
+    "STATUS_UNSPECIFIED": C.INTERNAL,
+    "HEADER_MISSING": C.INTERNAL,
+    "HEADER_DUPLICATE": C.INTERNAL,
+    "FRAME_EMPTY": C.INTERNAL,
+    "FRAME_MALFORMED": C.INTERNAL,
+    "FRAME_AFTER_COMMIT": C.INTERNAL,
+    "REQUEST_ID_MISMATCH": C.INTERNAL,
+    "TOKEN_COUNT_MISMATCH": C.INTERNAL,
+    "VERSION_UNSUPPORTED": C.FAILED_PRECONDITION,
+    "MODEL_MISMATCH": C.FAILED_PRECONDITION,
+    "LAYOUT_MISMATCH": C.FAILED_PRECONDITION,
+    "CHUNK_SEQUENCE_GAP": C.INTERNAL,
+    "CHUNK_LAYER_OUT_OF_RANGE": C.INTERNAL,
+    "CHUNK_RANGE_INVALID": C.INTERNAL,
+    "CHUNK_OVERLAP": C.INTERNAL,
+    "CHUNK_SIZE_MISMATCH": C.INTERNAL,
+    "CHECKSUM_MISMATCH": C.DATA_LOSS,
+    "FRAME_TOO_LARGE": C.RESOURCE_EXHAUSTED,
+    "COMMIT_MISSING": C.INTERNAL,
+    "COMMIT_MISMATCH": C.INTERNAL,
+    "COVERAGE_INCOMPLETE": C.INTERNAL,
+    "FIRST_TOKEN_INVALID": C.INTERNAL,
+    "HANDOFF_TIMEOUT": C.DEADLINE_EXCEEDED,
+    "PEER_UNAVAILABLE": C.UNAVAILABLE,
+}
+
+# Prefill's rejections: header.reason_code (= ErrorInfo reason) -> status of its gRPC error.
+# Decode passes the same status on to its client with reason PEER_REJECTED.
+REJECTION_STATUS: dict[str, grpc.StatusCode] = {
+    "EMPTY_PROMPT": C.INVALID_ARGUMENT,
+    "TOKEN_OUT_OF_VOCAB": C.INVALID_ARGUMENT,
+    "PROMPT_TOO_LONG": C.INVALID_ARGUMENT,
+    "POOL_TOO_SMALL": C.RESOURCE_EXHAUSTED,
+    "MISSING_REQUEST_ID": C.INVALID_ARGUMENT,
+    "VERSION_UNSUPPORTED": C.FAILED_PRECONDITION,
+    "MODEL_MISMATCH": C.FAILED_PRECONDITION,
+    "CHUNK_LIMIT_TOO_SMALL": C.INVALID_ARGUMENT,
+}
+
+
+def rejected_status(reason_code: str) -> grpc.StatusCode:
+    """The status decode gives its client for a REJECTED header with this reason code."""
+    return REJECTION_STATUS.get(reason_code, REFUSAL_STATUS["PEER_REJECTED"])
+
+
+DTYPE_BYTES = {
+    common_pb2.KV_DTYPE_FLOAT32: 4,
+    common_pb2.KV_DTYPE_FLOAT16: 2,
+    common_pb2.KV_DTYPE_BFLOAT16: 2,
+}
+
+
+def token_bytes(layout: common_pb2.KvLayout) -> int:
+    """Bytes of K (or of V alone) for one token of one layer; 0 for an unknown dtype."""
+    return layout.num_kv_heads * layout.head_dim * DTYPE_BYTES.get(layout.dtype, 0)

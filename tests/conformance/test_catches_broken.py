@@ -1,0 +1,56 @@
+"""The suite fails each deliberately broken variant of our services (tests/conformance/broken),
+on the cases of the rule that variant breaks, while the rest of the variant still works."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conformance.broken.process import start_variant
+from tests.conformance.suite_process import PREFILL_FLAGS, run_decode_suite, run_prefill_suite
+
+pytestmark = pytest.mark.slow
+
+# variant -> cases that must fail (a subset of what fails), and a case that must still pass
+DECODE_VARIANTS = {
+    "decode_accepts_aborted": ({"chunks_after_aborted", "commit_aborted"}, "good_passthrough"),
+    "decode_trusts_token_count": ({"token_count_placeholder", "token_count_short",
+                                   "token_count_long"}, "good_passthrough"),
+    "decode_skips_checksum": ({"checksum_payload", "checksum_field"}, "good_passthrough"),
+    "decode_ignores_request_id": ({"request_id_header", "request_id_chunk", "request_id_commit"},
+                                  "good_passthrough"),
+}
+PREFILL_VARIANTS = {
+    "prefill_chunks_after_rejected": ({"reject_empty_prompt", "reject_out_of_vocab",
+                                       "reject_over_window", "reject_beyond_pool"},
+                                      "handoff_one_token"),
+    "prefill_placeholder_over_length": ({"reject_over_window"}, "handoff_one_token"),
+    "prefill_drops_a_chunk": ({"handoff_one_token", "handoff_small_chunks",
+                               "concurrent_handoffs"}, "reject_over_window"),
+}
+
+
+def _assert_caught(run, must_fail: set[str], still_passes: str) -> None:
+    assert run.returncode == 1, run.output
+    failed = run.with_outcome("fail")
+    assert must_fail <= failed, f"not caught: {must_fail - failed}\n{run.output}"
+    assert run.outcomes.get(still_passes) == "pass", run.output
+
+
+@pytest.mark.parametrize("variant", sorted(DECODE_VARIANTS))
+def test_suite_fails_broken_decode(variant, reference_prefill, tmp_path):
+    must_fail, still_passes = DECODE_VARIANTS[variant]
+    run = run_decode_suite(
+        lambda flags: start_variant(variant, "decode", tmp_path / "decode", flags),
+        reference_prefill.address, tmp_path, ["--skip", "stall_*"])
+    _assert_caught(run, must_fail, still_passes)
+
+
+@pytest.mark.parametrize("variant", sorted(PREFILL_VARIANTS))
+def test_suite_fails_broken_prefill(variant, tmp_path):
+    must_fail, still_passes = PREFILL_VARIANTS[variant]
+    prefill = start_variant(variant, "prefill", tmp_path / "prefill", PREFILL_FLAGS)
+    try:
+        run = run_prefill_suite(prefill.address, tmp_path)
+    finally:
+        prefill.stop()
+    _assert_caught(run, must_fail, still_passes)
