@@ -1,24 +1,44 @@
-"""structlog JSON logging: one line per event, the service role and request id bound."""
+"""structlog JSON logging: one JSON object per line on stderr, one event per request phase.
+
+Every line carries `event`, `level`, `timestamp` (ISO 8601, UTC) and `service` (the role);
+request-scoped lines also carry `request_id`, the id decode makes for a request and sends to
+prefill, both as PrefillRequest.request_id and as `x-request-id` metadata, so one grep joins a
+request's lines across the two services. Exceptions are rendered as structured tracebacks
+without local variables.
+The logger is built per service (structlog.wrap_logger), so nothing global is configured.
+"""
 
 from __future__ import annotations
 
-import logging
 import sys
+from typing import TextIO
 
 import structlog
 
+REQUEST_ID_METADATA = "x-request-id"
 
-def make_logger(role: str) -> structlog.stdlib.BoundLogger:
-    """A JSON logger to stderr bound to the role; callers bind request_id per request."""
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(),
-        ],
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
-    )
-    return structlog.get_logger().bind(service=role)
+
+def make_logger(role: str, stream: TextIO | None = None) -> structlog.typing.FilteringBoundLogger:
+    """A JSON logger bound to the role; callers bind request_id per request."""
+    processors = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+        # no locals: they could hold prompts, tokens or secrets
+        structlog.processors.ExceptionRenderer(
+            structlog.tracebacks.ExceptionDictTransformer(show_locals=False)),
+        structlog.processors.JSONRenderer(sort_keys=False),
+    ]
+    logger = structlog.wrap_logger(
+        structlog.PrintLogger(file=stream or sys.stderr), processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(0))
+    return logger.bind(service=role)
+
+
+def request_id_from(metadata) -> str:
+    """The x-request-id value in gRPC invocation metadata, or ''."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_METADATA:
+            return value if isinstance(value, str) else value.decode()
+    return ""

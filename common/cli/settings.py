@@ -1,7 +1,16 @@
-"""Service flags and their sources: config file (TOML) < environment (KVHANDOFF_*) < flags.
+"""Service settings and their sources: defaults < TOML file < environment < flags.
 
-Every flag of a service command maps to one field of ServiceConfig / PrefillConfig /
-DecodeConfig; the environment name is KVHANDOFF_ plus the flag in upper case with '_'.
+Every setting is one field of ServiceConfig plus PrefillConfig or DecodeConfig. Its flag is
+`--` + the field name with '-' (except `--prefill` for decode's `prefill_target`); its
+environment variable is KVHANDOFF_ + the field name in upper case (KVHANDOFF_PREFILL_TARGET);
+its TOML key is the field name, under `[service]` (shared fields) or `[prefill]`/`[decode]`.
+The file comes from `--config FILE`, else from KVHANDOFF_CONFIG. An empty environment
+variable counts as unset (compose writes `${X:-}` as "").
+
+Invariants: every value is type-checked where it enters (file, environment, flag) and
+range-checked once all sources are merged; any error names its source and ends the command
+with exit status 2 before anything is loaded. Unknown keys in the file are errors; unknown
+KVHANDOFF_* variables are ignored (one environment may serve both roles).
 """
 
 from __future__ import annotations
@@ -9,12 +18,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 
 from common.config import DecodeConfig, PrefillConfig, ServiceConfig
 
 ENV_PREFIX = "KVHANDOFF_"
+CONFIG_ENV = "KVHANDOFF_CONFIG"
+ROLES = ("prefill", "decode")
 
 SERVICE_HELP = {
     "model": "'demo' or a Hugging Face checkpoint directory (Llama, Qwen2)",
@@ -34,77 +47,199 @@ SERVICE_HELP = {
     "metrics_port": "Prometheus /metrics port (-1: off, 0: any free port)",
     "tls_cert": "PEM certificate for the prefill<->decode channel (mTLS)",
     "tls_key": "PEM key for --tls-cert", "tls_ca": "PEM CA that signs the peers' certificates",
-    "grace_seconds": "drain time on SIGTERM",
+    "grace_seconds": "drain time on SIGTERM: in-flight requests get this long to finish",
 }
+
+# Range checks after merging: field -> (lowest, highest); None is unbounded.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "port": (0, 65535), "metrics_port": (-1, 65535), "page_size": (1, None),
+    "pool_tokens": (0, None), "memory_fraction": (0, 1), "kv_cache_bytes": (0, None),
+    "max_context_tokens": (0, None), "grace_seconds": (0, None), "max_batch_tokens": (1, None),
+    "max_batch": (1, None), "max_waiting": (0, None), "default_max_tokens": (1, None),
+    "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),
+    "prefill_info_interval_s": (0.01, None),
+}
+CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
+           "kernels": ("auto", "triton", "torch")}
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+# (a, b): a is set only together with b.
+REQUIRES = [("tls_key", "tls_cert"), ("tls_cert", "tls_key"), ("tls_ca", "tls_cert"),
+            ("api_tls_key", "api_tls_cert"), ("api_tls_cert", "api_tls_key")]
+FILE_FIELDS = ("tls_cert", "tls_key", "tls_ca", "api_tls_cert", "api_tls_key")
+TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names the source and what to change."""
+
+
+def _role_class(role: str) -> type:
+    return PrefillConfig if role == "prefill" else DecodeConfig
+
+
+def table_fields(table: str) -> dict[str, dataclasses.Field]:
+    """The fields a TOML table may set: [service] shared ones, [prefill]/[decode] the role's."""
+    cls = ServiceConfig if table == "service" else _role_class(table)
+    return {f.name: f for f in dataclasses.fields(cls) if f.name != "service"}
+
+
+def role_fields(role: str) -> dict[str, dataclasses.Field]:
+    return {**table_fields("service"), **table_fields(role)}
 
 
 def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+    return "--prefill" if name == "prefill_target" else "--" + name.replace("_", "-")
 
 
-def _add_fields(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
+def add_service_flags(parser: argparse.ArgumentParser, role: str) -> None:
+    parser.add_argument("--config", type=Path, help=f"TOML file with [service] and [{role}] "
+                        f"tables (default: ${CONFIG_ENV}); environment and flags override it")
+    for f in role_fields(role).values():
         help_text = SERVICE_HELP.get(f.name, f.name.replace("_", " "))
-        if f.type in ("bool", bool):
+        if f.name == "prefill_target":
+            help_text = "prefill address HOST:PORT (a DNS name balances over replicas)"
+        if str(f.type) == "bool":
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=help_text)
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
             parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=f.default,
                                 help=f"{help_text} (default: %(default)s)")
-
-
-def add_service_flags(parser: argparse.ArgumentParser, role: str) -> None:
-    parser.add_argument("--config", type=Path, help="TOML file with [service] and [prefill] or "
-                        "[decode] tables; environment and flags override it")
-    _add_fields(parser, ServiceConfig)
-    role_cls = PrefillConfig if role == "prefill" else DecodeConfig
-    _add_fields(parser, role_cls, skip=("service",))
-    if role == "decode":
-        parser.add_argument("--prefill", dest="prefill_target", default=DecodeConfig.prefill_target,
-                            help="prefill address HOST:PORT (a DNS name balances over replicas)")
     parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here")
 
 
-def _coerce(value: str, default):
-    if isinstance(default, bool):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return type(default)(value)
+def _typed(value, kind: str, where: str):
+    """A TOML value checked against the field's type (ints are accepted as floats)."""
+    ok = {"bool": isinstance(value, bool), "str": isinstance(value, str),
+          "int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, (int, float)) and not isinstance(value, bool)}[kind]
+    if not ok:
+        raise SettingsError(f"{where}: expected {TYPE_WORDS[kind]}, got "
+                            f"{type(value).__name__} {value!r}")
+    return float(value) if kind == "float" else value
 
 
-def apply_sources(parser: argparse.ArgumentParser, argv: list[str], role: str) -> argparse.Namespace:
-    """Parses argv with defaults taken from the TOML file, then the environment."""
-    first = parser.parse_args(argv)
-    defaults: dict = {}
-    if getattr(first, "config", None):
-        raw = tomllib.loads(Path(first.config).read_text())
-        unknown = set(raw) - {"service", role}
-        if unknown:
-            parser.error(f"{first.config}: unknown tables {sorted(unknown)}")
-        for table in ("service", role):
-            defaults.update(raw.get(table, {}))
-    for action in parser._actions:
-        env = ENV_PREFIX + action.dest.upper()
-        if env in os.environ and action.dest not in ("help", "config"):
-            defaults[action.dest] = _coerce(os.environ[env], action.default)
-    known = {a.dest for a in parser._actions}
-    bad = set(defaults) - known
-    if bad:
-        parser.error(f"unknown settings {sorted(bad)}")
-    parser.set_defaults(**defaults)
-    return parser.parse_args(argv)
+def _parsed(text: str, kind: str, where: str):
+    """An environment string converted to the field's type."""
+    if kind == "bool":
+        word = text.strip().lower()
+        if word in TRUE_WORDS or word in FALSE_WORDS:
+            return word in TRUE_WORDS
+    else:
+        try:
+            return {"int": int, "float": float, "str": str}[kind](text.strip())
+        except ValueError:
+            pass
+    choices = f" ({'/'.join(TRUE_WORDS + FALSE_WORDS)})" if kind == "bool" else ""
+    raise SettingsError(f"{where}={text!r}: expected {TYPE_WORDS[kind]}{choices}")
+
+
+def read_file(path: Path, role: str) -> dict[str, tuple[object, str]]:
+    """field -> (value, source) from the TOML file; tables for both roles are checked."""
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except OSError as err:
+        raise SettingsError(f"config file {path}: {err.strerror or err}") from err
+    except tomllib.TOMLDecodeError as err:
+        raise SettingsError(f"config file {path}: invalid TOML: {err}") from err
+    values: dict[str, tuple[object, str]] = {}
+    for table, entries in raw.items():
+        if table not in ("service", *ROLES) or not isinstance(entries, dict):
+            raise SettingsError(f"{path}: unknown {'table' if isinstance(entries, dict) else 'key'}"
+                                f" {table!r}; settings go under [service], [prefill] or [decode]")
+        known = table_fields(table)
+        for key, value in entries.items():
+            where = f"{path} [{table}] {key}"
+            if key not in known:
+                raise SettingsError(f"{path} [{table}]: unknown key {key!r}; known keys: "
+                                    f"{', '.join(sorted(known))}")
+            typed = _typed(value, str(known[key].type), where)
+            if table in ("service", role):
+                values[key] = (typed, where)
+    return values
+
+
+def read_env(env: Mapping[str, str], role: str) -> dict[str, tuple[object, str]]:
+    values: dict[str, tuple[object, str]] = {}
+    for name, f in role_fields(role).items():
+        var = ENV_PREFIX + name.upper()
+        if env.get(var, "") != "":
+            values[name] = (_parsed(env[var], str(f.type), var), f"${var}")
+    return values
+
+
+def resolve(parser: argparse.ArgumentParser, argv: list[str], role: str,
+            env: Mapping[str, str]) -> tuple[argparse.Namespace, dict[str, str]]:
+    """Merges the sources; returns the namespace and, per field, where its value came from."""
+    unset = object()
+    dests = [a.dest for a in parser._actions if a.dest != "help"]
+    given = vars(parser.parse_args(argv, argparse.Namespace(**{d: unset for d in dests})))
+    config_path = given["config"] if given["config"] is not unset else env.get(CONFIG_ENV) or None
+    layers = [read_file(Path(config_path), role) if config_path else {}, read_env(env, role)]
+    fields = role_fields(role)
+    merged: dict[str, object] = {}
+    sources: dict[str, str] = {}
+    for name, f in fields.items():
+        merged[name], sources[name] = f.default, "default"
+        for layer in layers:
+            if name in layer:
+                merged[name], sources[name] = layer[name]
+        if given[name] is not unset:
+            merged[name], sources[name] = given[name], _flag(name)
+    check_values(merged, sources)
+    port_file = given["port_file"] if given["port_file"] is not unset else None
+    ns = argparse.Namespace(config=Path(config_path) if config_path else None,
+                            port_file=port_file, **merged)
+    return ns, sources
+
+
+def apply_sources(parser: argparse.ArgumentParser, argv: list[str],
+                  role: str) -> argparse.Namespace:
+    """Parses argv over the file and the environment; on any bad setting prints one clear
+    error line and exits with status 2, as argparse does for a bad flag."""
+    try:
+        return resolve(parser, argv, role, os.environ)[0]
+    except SettingsError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+
+
+def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None = None) -> None:
+    """Range, choice and consistency checks on merged settings; raises SettingsError listing
+    every problem, each with the source of the value."""
+    src = sources or {}
+
+    def label(name: str) -> str:
+        return src.get(name) if src.get(name, "default") != "default" else _flag(name)
+
+    problems: list[str] = []
+    for name, value in values.items():
+        low, high = RANGES.get(name, (None, None))
+        if low is not None and value < low or high is not None and value > high:
+            bounds = (f"in [{low}, {high}]" if high is not None else f">= {low}")
+            problems.append(f"{label(name)}: {name} must be {bounds}, got {value!r}")
+        if name in CHOICES and value not in CHOICES[name]:
+            problems.append(f"{label(name)}: {name} must be one of {', '.join(CHOICES[name])}, "
+                            f"got {value!r}")
+        if name in FILE_FIELDS and value and not Path(str(value)).is_file():
+            problems.append(f"{label(name)}: {name} file {value!r} does not exist")
+    if "device" in values and not DEVICE_PATTERN.fullmatch(str(values["device"])):
+        problems.append(f"{label('device')}: device must be auto, cpu, cuda or cuda:N, "
+                        f"got {values['device']!r}")
+    for name, needs in REQUIRES:
+        if values.get(name) and not values.get(needs):
+            problems.append(f"{label(name)}: {name} is set but {needs} is not; set both")
+    if str(values.get("model", "x")).strip() == "":
+        problems.append(f"{label('model')}: model must be 'demo' or a checkpoint directory")
+    if problems:
+        raise SettingsError("; ".join(problems))
 
 
 def build_config(ns: argparse.Namespace, role: str) -> PrefillConfig | DecodeConfig:
-    """Builds and validates the role's frozen config from parsed arguments."""
-    service = ServiceConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(ServiceConfig)})
-    for name in ("page_size",):
-        if getattr(service, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 <= service.memory_fraction <= 1:
-        raise ValueError("--memory-fraction must be in [0, 1]")
-    cls = PrefillConfig if role == "prefill" else DecodeConfig
-    rest = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if f.name != "service"}
-    return cls(service=service, **rest)
+    """Builds the role's frozen config from parsed arguments; raises SettingsError (a
+    ValueError) when a value is out of range."""
+    fields = role_fields(role)
+    check_values({name: getattr(ns, name) for name in fields})
+    service = ServiceConfig(**{name: getattr(ns, name) for name in table_fields("service")})
+    rest = {name: getattr(ns, name) for name in table_fields(role)}
+    return _role_class(role)(service=service, **rest)

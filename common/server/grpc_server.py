@@ -1,12 +1,15 @@
 """A grpc.aio server with the standard companions (health, reflection) and graceful shutdown.
 
 Shape after grpc/grpc examples/python: `create_server(...) -> (server, port, health)` builds and
-starts; `serve_until_signalled` waits for SIGTERM/SIGINT, reports NOT_SERVING, then drains.
+starts; `serve_until_signalled` waits for SIGTERM/SIGINT, then drains: health NOT_SERVING (and
+still answering), new work refused with UNAVAILABLE, in-flight work finished within the grace
+time, then the server stopped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -15,6 +18,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from common.errors import ServiceError
+
+# Methods that stay open while draining and do not count as in-flight work: health,
+# reflection and the read-only stats (so a drain can be watched).
+LIFECYCLE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.",
+                      "/kvhandoff.v1.StatsService/")
 
 
 @dataclass(frozen=True)
@@ -38,25 +48,120 @@ class TlsFiles:
             certificate_chain=Path(self.cert).read_bytes() if self.cert else None)
 
 
-def message_size_options(max_bytes: int) -> list[tuple[str, int]]:
+class ServingState(health.aio.HealthServicer):
+    """The grpc.health.v1 servicer, plus the server's lifecycle: how many work RPCs are in
+    flight and whether a drain has begun.
+
+    Invariants: once draining, every status is NOT_SERVING for good (later sets are ignored,
+    so a late warm-up or handshake cannot report SERVING) and every new work RPC is refused;
+    in_flight counts work RPCs (not health, reflection or stats) from start to end; all of it is
+    touched on the server's event loop only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def begin_drain(self) -> None:
+        self.draining = True
+        await self.enter_graceful_shutdown()
+
+    def enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+def draining_status() -> grpc.Status:
+    """UNAVAILABLE with ErrorInfo reason DRAINING: retryable, on another replica."""
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, "DRAINING",
+                        "the server is shutting down and takes no new requests; retry on "
+                        "another replica").to_status()
+
+
+class DrainInterceptor(grpc.aio.ServerInterceptor):
+    """Counts work RPCs in the ServingState and refuses new ones once it drains."""
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith(LIFECYCLE_PREFIXES):
+            return handler
+        kinds = {(False, False): grpc.unary_unary_rpc_method_handler,
+                 (False, True): grpc.unary_stream_rpc_method_handler,
+                 (True, False): grpc.stream_unary_rpc_method_handler,
+                 (True, True): grpc.stream_stream_rpc_method_handler}
+        streaming = (handler.request_streaming, handler.response_streaming)
+        behavior = (handler.unary_unary or handler.unary_stream or handler.stream_unary
+                    or handler.stream_stream)
+        return kinds[streaming](self._track(behavior), handler.request_deserializer,
+                                handler.response_serializer)
+
+    def _track(self, behavior):
+        state = self.state
+        if inspect.isasyncgenfunction(behavior):
+            async def tracked_stream(request, context):
+                if state.draining:
+                    await context.abort_with_status(draining_status())
+                state.enter()
+                try:
+                    async for response in behavior(request, context):
+                        yield response
+                finally:
+                    state.leave()
+            return tracked_stream
+        if not inspect.iscoroutinefunction(behavior):
+            return behavior  # kvhandoff servicers are all async; nothing else to count
+
+        async def tracked(request, context):
+            if state.draining:
+                await context.abort_with_status(draining_status())
+            state.enter()
+            try:
+                return await behavior(request, context)
+            finally:
+                state.leave()
+        return tracked
+
+
+# Clients are asked (GOAWAY) to open a new connection after this long; streams in flight keep
+# running (no age grace limit). A client that reconnects re-resolves DNS, which is how decode's
+# round_robin channel finds prefill replicas added after it started.
+MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
+
+
+def server_options(max_bytes: int) -> list[tuple[str, int]]:
     return [("grpc.max_send_message_length", max_bytes),
-            ("grpc.max_receive_message_length", max_bytes)]
+            ("grpc.max_receive_message_length", max_bytes),
+            ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS)]
 
 
 async def create_server(
     register: Callable[[grpc.aio.Server], list[str]], host: str, port: int,
     tls: TlsFiles | None, max_message_bytes: int,
     interceptors: list | None = None,
-) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+) -> tuple[grpc.aio.Server, int, ServingState]:
     """register adds the servicers and returns their full service names. Health starts at
-    NOT_SERVING; the caller flips it once the model is warm."""
-    server = grpc.aio.server(options=message_size_options(max_message_bytes),
-                             interceptors=interceptors or ())
+    NOT_SERVING; the caller flips it once the model is warm. The returned ServingState is the
+    health servicer and also tracks in-flight work for the drain on SIGTERM."""
+    state = ServingState()
+    server = grpc.aio.server(options=server_options(max_message_bytes),
+                             interceptors=[DrainInterceptor(state), *(interceptors or ())])
     names = register(server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(state, server)
     for name in ["", *names]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await state.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server)
@@ -66,28 +171,62 @@ async def create_server(
     if bound == 0:
         raise OSError(f"could not bind {address}")
     await server.start()
-    return server, bound, health_servicer
+    return server, bound, state
 
 
 async def set_serving(health_servicer, names: list[str], serving: bool) -> None:
+    """Sets every service's status; after a drain has begun, SERVING is ignored."""
     status = (health_pb2.HealthCheckResponse.SERVING if serving
               else health_pb2.HealthCheckResponse.NOT_SERVING)
     for name in ["", *names]:
         await health_servicer.set(name, status)
 
 
-async def serve_until_signalled(server: grpc.aio.Server, health_servicer, names: list[str],
-                                grace: float, on_stop: Callable[[], Awaitable[None]] | None = None
-                                ) -> None:
-    stop = asyncio.Event()
+async def drain(server: grpc.aio.Server, state: ServingState, grace: float,
+                force: asyncio.Event | None = None, log=None) -> bool:
+    """Health NOT_SERVING for good, new work refused (UNAVAILABLE, reason DRAINING), in-flight
+    work given up to `grace` seconds (or until `force` is set), then the server stopped; what
+    is still running then is cancelled. Returns True when nothing had to be cancelled."""
+    await state.begin_drain()
+    if log is not None:
+        log.info("draining", in_flight=state.in_flight, grace_seconds=grace)
     loop = asyncio.get_running_loop()
+    started = loop.time()
+    waits = [asyncio.ensure_future(state.wait_idle())]
+    if force is not None:
+        waits.append(asyncio.ensure_future(force.wait()))
+    _done, pending = await asyncio.wait(waits, timeout=grace,
+                                        return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    drained = state.in_flight == 0
+    if log is not None:
+        log.info("drained" if drained else "drain_cut_short", in_flight=state.in_flight,
+                 seconds=round(loop.time() - started, 3))
+    await server.stop(0 if force is not None and force.is_set() else
+                      max(0.0, grace - (loop.time() - started)))
+    return drained
+
+
+async def serve_until_signalled(server: grpc.aio.Server, health_servicer: ServingState,
+                                names: list[str], grace: float,
+                                on_stop: Callable[[], Awaitable[None]] | None = None,
+                                log=None) -> None:
+    """Serves until SIGTERM/SIGINT, then drains (see `drain`); a second signal cuts the drain
+    short. on_stop runs after the server has stopped (stop engines, close channels)."""
+    del names  # every service goes NOT_SERVING through the health servicer's shutdown mode
+    stop, force = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     server_done = asyncio.ensure_future(server.wait_for_termination())
     stop_wait = asyncio.ensure_future(stop.wait())
     await asyncio.wait([server_done, stop_wait], return_when=asyncio.FIRST_COMPLETED)
-    await set_serving(health_servicer, names, False)
-    await server.stop(grace)
+    await drain(server, health_servicer, grace, force, log)
     if on_stop is not None:
         await on_stop()
     for task in (server_done, stop_wait):
@@ -95,10 +234,10 @@ async def serve_until_signalled(server: grpc.aio.Server, health_servicer, names:
 
 
 def run_async(main: Callable[[], Awaitable[None]]) -> None:
-    """Runs main on uvloop when it is installed."""
+    """Runs main on uvloop when it is installed (an ImportError inside main is not swallowed)."""
     try:
         import uvloop
-
-        uvloop.run(main())
     except ImportError:
         asyncio.run(main())
+        return
+    uvloop.run(main())
