@@ -68,6 +68,7 @@ COMMANDS = {
     "decode": "run the decode service (--prefill HOST:PORT)",
     "generate": "stream a generation from a decode service",
     "config": "config show ROLE: print the effective configuration",
+    "health": "health HOST:PORT: exit 0 when the service's grpc.health.v1 says SERVING",
     "conformance": "conformance prefill|decode: check an implementation of kvhandoff.v1",
     "bench": "bench transfer|serve: benchmarks",
 }
@@ -96,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             print("usage: kvhandoff config show prefill|decode [flags]", file=sys.stderr)
             return 2
         return config_show(rest[1:])
+    if command == "health":
+        from common.cli.health_probe import main as probe
+
+        return probe(rest)
     if command == "conformance":
         from conformance.cli import main as conformance_main
 
