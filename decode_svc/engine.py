@@ -86,7 +86,7 @@ class DecodeEngine:
             try:
                 command = self._inbox.get(block=block)
             except queue.Empty:
-                self._step()
+                self._step_or_fail()
                 continue
             if command[0] == "stop":
                 return
@@ -97,7 +97,7 @@ class DecodeEngine:
 
     def _on_reserve(self, res: _Reservation) -> None:
         if not self._waiting and self.pool.allocator.can_allocate(res.num_tokens):
-            res.done(self.pool.allocator.allocate(res.request_id, res.num_tokens))
+            self._grant(res)
         elif len(self._waiting) >= self.max_waiting:
             res.done(ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "ADMISSION_QUEUE_FULL",
                                   f"{self.max_waiting} requests already wait for KV pages; "
@@ -107,8 +107,19 @@ class DecodeEngine:
 
     def _admit_waiting(self) -> None:
         while self._waiting and self.pool.allocator.can_allocate(self._waiting[0].num_tokens):
-            res = self._waiting.popleft()
-            res.done(self.pool.allocator.allocate(res.request_id, res.num_tokens))
+            self._grant(self._waiting.popleft())
+
+    def _grant(self, res: _Reservation) -> None:
+        """Allocates res's pages and answers it; an allocator error answers INTERNAL, so no
+        caller waits forever for a reservation."""
+        try:
+            pages = self.pool.allocator.allocate(res.request_id, res.num_tokens)
+        except Exception as exc:
+            self.log.exception("reserve_failed", request_id=res.request_id, error=str(exc))
+            res.done(ServiceError(grpc.StatusCode.INTERNAL, "RESERVE_FAILED",
+                                  f"could not reserve KV pages: {exc}"))
+            return
+        res.done(pages)
 
     def _on_write(self, request_id: str, layer: int, token_start: int, kv: torch.Tensor) -> None:
         if not self.pool.allocator.holds(request_id):
@@ -149,12 +160,25 @@ class DecodeEngine:
         seq.emit(FailedEvent(error))
         self._admit_waiting()
 
-    def _step(self) -> None:
+    def _step_or_fail(self) -> None:
+        """One step; if it raises, its batch fails (INTERNAL) and the engine keeps serving."""
         batch = list(self._running.values())[: self.max_batch]
         if self.pool.config.check_owners:
             batch = self._checked(batch)
         if not batch:
             return
+        try:
+            self._step(batch)
+        except Exception as exc:
+            self.log.exception("decode_step_failed", error=str(exc),
+                               request_ids=[s.request_id for s in batch])
+            error = ServiceError(grpc.StatusCode.INTERNAL, "DECODE_STEP_FAILED",
+                                 f"the decode step failed: {exc}")
+            for seq in batch:
+                if seq.request_id in self._running:
+                    self._fail(seq, error)
+
+    def _step(self, batch: list[Sequence]) -> None:
         device = self.model.device
         page_size = self.pool.page_size
         max_pages = max(len(s.pages) for s in batch)
@@ -174,7 +198,7 @@ class DecodeEngine:
         logits = self.model.decode(step, self.pool.k, self.pool.v)
         self.counters["decode_steps"] = self.counters.get("decode_steps", 0) + 1
         tokens = sample_batch(logits, [s.sampling for s in batch], [s.num_generated for s in batch])
-        for seq, pos, token in zip(batch, positions, tokens):
+        for seq, pos, token in zip(batch, positions, tokens, strict=True):
             self.pool.allocator.mark_written(seq.request_id, pos + 1)
             seq.tokens.append(token)
             seq.emit(TokenEvent(token, seq.num_generated - 1))
@@ -184,11 +208,15 @@ class DecodeEngine:
         """Drops (and fails) any sequence whose pages are not its own or not written."""
         good = []
         for seq in batch:
+            pos = len(seq.tokens) - 1  # this step reads tokens [0, pos) and writes token pos
             try:
-                self.pool.allocator.check_read(seq.request_id, seq.pages, len(seq.tokens) - 1)
+                self.pool.allocator.check_read(seq.request_id, seq.pages, pos)
+                self.pool.allocator.check_write(seq.request_id, seq.pages, pos)
                 good.append(seq)
             except PageOwnershipError as exc:
-                self.log.error("page_ownership_violation", request_id=seq.request_id, error=str(exc))
-                self._fail(seq, ServiceError(grpc.StatusCode.INTERNAL, "PAGE_OWNERSHIP_VIOLATION",
-                                             f"refused to read KV that is not this request's: {exc}"))
+                self.log.error("page_ownership_violation", request_id=seq.request_id,
+                               error=str(exc))
+                self._fail(seq, ServiceError(
+                    grpc.StatusCode.INTERNAL, "PAGE_OWNERSHIP_VIOLATION",
+                    f"refused to touch KV that is not this request's: {exc}"))
         return good

@@ -4,7 +4,9 @@ Invariants (checked by `check_invariants`, relied on by every attention path):
 - a page is either on the free list or owned by exactly one request, never both, never two;
 - a request's page table lists only pages it owns, in token order;
 - `written_tokens(owner)` counts the leading tokens of the request whose KV is in place in
-  every layer; attention may read token t of a request only when t < written_tokens(owner);
+  every layer, and never exceeds the slots of its table; attention may read token t of a
+  request only when t < written_tokens(owner) (`check_read`), and may write token t only into
+  a slot of its own table (`check_write`);
 - `free` returns every page of the owner; a freed page's contents are not trusted by anyone.
 Thread safety: every method takes the pool's lock; callers may query from any thread.
 """
@@ -58,16 +60,22 @@ class PageAllocator:
         return self.pages_needed(num_tokens) <= self.num_pages
 
     def allocate(self, owner: str, num_tokens: int) -> list[int]:
-        """Reserves pages for num_tokens under a new owner; raises PoolExhausted if short."""
+        """Reserves pages for num_tokens under a new owner; raises PoolExhausted if short.
+        Nothing changes when it raises."""
+        if num_tokens < 0:
+            raise ValueError(f"owner {owner!r} asks for {num_tokens} tokens")
         with self._lock:
             if owner in self._tables:
                 raise ValueError(f"owner {owner!r} already holds pages")
             needed = self.pages_needed(num_tokens)
             if needed > len(self._free):
                 raise PoolExhausted(f"need {needed} pages, {len(self._free)} free")
-            pages = [self._free.pop() for _ in range(needed)]
+            pages = self._free[len(self._free) - needed:][::-1]
             for page in pages:
-                assert self._owner[page] is None, f"page {page} handed out twice"
+                if self._owner[page] is not None:  # a corrupt free list; refuse, change nothing
+                    raise RuntimeError(f"page {page} is free and owned by {self._owner[page]!r}")
+            del self._free[len(self._free) - needed:]
+            for page in pages:
                 self._owner[page] = owner
             self._tables[owner] = pages
             self._written[owner] = 0
@@ -79,7 +87,9 @@ class PageAllocator:
             pages = self._tables.pop(owner, [])
             self._written.pop(owner, None)
             for page in pages:
-                assert self._owner[page] == owner
+                if self._owner[page] != owner:
+                    raise RuntimeError(
+                        f"page {page} of {owner!r} is owned by {self._owner[page]!r}")
                 self._owner[page] = None
                 self._free.append(page)
             return pages
@@ -92,12 +102,17 @@ class PageAllocator:
         with self._lock:
             return owner in self._tables
 
+    def owner_of(self, page: int) -> str | None:
+        with self._lock:
+            return self._owner[page]
+
     def mark_written(self, owner: str, num_tokens: int) -> None:
         """Records that the first num_tokens tokens of owner are in place in every layer."""
         with self._lock:
             capacity = len(self._tables[owner]) * self.page_size
             if num_tokens > capacity:
-                raise PageOwnershipError(f"{owner}: {num_tokens} tokens exceed its {capacity} slots")
+                raise PageOwnershipError(
+                    f"{owner}: {num_tokens} tokens exceed its {capacity} slots")
             self._written[owner] = max(self._written[owner], num_tokens)
 
     def written_tokens(self, owner: str) -> int:
@@ -105,24 +120,60 @@ class PageAllocator:
             return self._written[owner]
 
     def check_read(self, owner: str, pages: list[int], num_tokens: int) -> None:
-        """Raises PageOwnershipError unless owner owns every page and wrote the num_tokens read."""
+        """Raises PageOwnershipError unless `pages` is the leading part of owner's own page
+        table, in order, covers num_tokens, and owner wrote those num_tokens tokens."""
         with self._lock:
-            for page in pages:
-                if not 0 <= page < self.num_pages or self._owner[page] != owner:
-                    raise PageOwnershipError(f"{owner}: page {page} is not its own")
-            if num_tokens > self._written.get(owner, 0):
+            self._check_table(owner, pages)
+            if num_tokens > len(pages) * self.page_size:
+                raise PageOwnershipError(f"{owner}: reads {num_tokens} tokens from "
+                                         f"{len(pages)} pages of {self.page_size}")
+            written = self._written.get(owner, 0)
+            if num_tokens > written:
                 raise PageOwnershipError(
-                    f"{owner}: reads {num_tokens} tokens, only {self._written.get(owner, 0)} written")
+                    f"{owner}: reads {num_tokens} tokens, only {written} written")
+
+    def check_write(self, owner: str, pages: list[int], token: int) -> None:
+        """Raises PageOwnershipError unless token's slot lies in owner's own pages."""
+        with self._lock:
+            self._check_table(owner, pages)
+            if not 0 <= token < len(pages) * self.page_size:
+                raise PageOwnershipError(f"{owner}: writes token {token} outside its "
+                                         f"{len(pages)} pages of {self.page_size}")
+
+    def _check_table(self, owner: str, pages: list[int]) -> None:
+        for page in pages:
+            if not 0 <= page < self.num_pages or self._owner[page] != owner:
+                raise PageOwnershipError(f"{owner}: page {page} is not its own")
+        own = self._tables.get(owner, [])
+        if list(pages) != own[: len(pages)]:
+            raise PageOwnershipError(f"{owner}: page table {list(pages)} is not its own table "
+                                     f"{own} in token order")
 
     def snapshot(self) -> PoolSnapshot:
         with self._lock:
             return PoolSnapshot(self.page_size, self.num_pages, len(self._free))
 
     def check_invariants(self) -> None:
+        """Raises AssertionError when any invariant of the module docstring is broken."""
         with self._lock:
             free = set(self._free)
-            assert len(free) == len(self._free), "a page is on the free list twice"
+            if len(free) != len(self._free):
+                raise AssertionError("a page is on the free list twice")
             owned = [p for pages in self._tables.values() for p in pages]
-            assert len(owned) == len(set(owned)), "a page is owned twice"
-            assert not free & set(owned), "a page is both free and owned"
-            assert len(free) + len(owned) == self.num_pages, "a page is lost"
+            if len(owned) != len(set(owned)):
+                raise AssertionError("a page is owned twice")
+            if free & set(owned):
+                raise AssertionError("a page is both free and owned")
+            if len(free) + len(owned) != self.num_pages:
+                raise AssertionError("a page is lost")
+            for page in free:
+                if self._owner[page] is not None:
+                    raise AssertionError(f"free page {page} has owner {self._owner[page]!r}")
+            for owner, pages in self._tables.items():
+                if any(self._owner[p] != owner for p in pages):
+                    raise AssertionError(f"{owner}'s table names a page owned by another")
+                if not 0 <= self._written[owner] <= len(pages) * self.page_size:
+                    raise AssertionError(f"{owner} wrote {self._written[owner]} tokens into "
+                                         f"{len(pages)} pages")
+            if set(self._written) != set(self._tables):
+                raise AssertionError("written counts and page tables name different owners")

@@ -12,8 +12,10 @@ from common.kvpool.allocator import PageAllocator
 @dataclass(frozen=True)
 class PoolConfig:
     """page_size in tokens; pool_tokens is rounded down to whole pages.
-    poison_freed fills freed pages with NaN (tests); scrub_freed zeroes them (operators);
-    check_owners verifies every batch's page table against the owners before each step."""
+    poison_freed fills freed pages with NaN (tests: any read of freed KV turns logits NaN);
+    scrub_freed zeroes them (operators: no tenant's KV outlives its request in memory); with
+    both, poison wins. check_owners verifies every batch's page table against the owners before
+    each step."""
 
     pool_tokens: int
     page_size: int = 16
@@ -51,8 +53,10 @@ class KvPool:
         if pages and (self.config.poison_freed or self.config.scrub_freed):
             index = torch.tensor(pages, device=self.k.device)
             value = float("nan") if self.config.poison_freed else 0.0
-            self.k[:, index] = value
-            self.v[:, index] = value
+            # queued on the engine's stream before the pages reach the free list, so the next
+            # owner's writes (same stream) land after the fill
+            self.k.index_fill_(1, index, value)
+            self.v.index_fill_(1, index, value)
         self.allocator.free(owner)
 
     def slots_for(self, pages: list[int], token_start: int, token_end: int) -> list[int]:
@@ -60,6 +64,8 @@ class KvPool:
         return [pages[t // s] * s + t % s for t in range(token_start, token_end)]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
         """K and V bytes of one token across all layers."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * element

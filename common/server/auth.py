@@ -1,4 +1,10 @@
-"""Bearer-token check for the client-facing API (health and reflection stay open)."""
+"""Bearer-token check for the client-facing API (health and reflection stay open).
+
+Invariant: a call to any other method runs its servicer only when it carries exactly one
+`authorization` metadata entry equal to `Bearer <token>` (compared in constant time); every other
+call is answered UNAUTHENTICATED before the servicer runs, so a refused call reserves nothing and
+never reaches prefill. Send the token only over TLS (--api-tls-cert/--api-tls-key).
+"""
 
 from __future__ import annotations
 
@@ -7,34 +13,49 @@ import hmac
 import grpc
 
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+DENIED = "missing or wrong bearer token in the authorization metadata"
+
+
+def _denying(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as handler (unary or streaming each way) that only refuses."""
+    request_streaming = bool(handler and handler.request_streaming)
+    response_streaming = bool(handler and handler.response_streaming)
+    deserialize = handler.request_deserializer if handler else None
+    serialize = handler.response_serializer if handler else None
+    if response_streaming:
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+            yield  # pragma: no cover - makes this an async generator
+
+        make = (grpc.stream_stream_rpc_method_handler if request_streaming
+                else grpc.unary_stream_rpc_method_handler)
+        return make(deny_stream, request_deserializer=deserialize, response_serializer=serialize)
+
+    async def deny(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+
+    make = (grpc.stream_unary_rpc_method_handler if request_streaming
+            else grpc.unary_unary_rpc_method_handler)
+    return make(deny, request_deserializer=deserialize, response_serializer=serialize)
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("the API token is empty")
         self._expected = f"Bearer {token}".encode()
 
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong bearer token in the authorization metadata")
-
-        self._deny = deny
+    def authorized(self, metadata) -> bool:
+        """True for exactly one authorization entry equal to the expected bearer value."""
+        sent = [value for key, value in (metadata or ()) if key == "authorization"]
+        if len(sent) != 1:
+            return False
+        value = sent[0] if isinstance(sent[0], bytes) else sent[0].encode()
+        return hmac.compare_digest(value, self._expected)
 
     async def intercept_service(self, continuation, handler_call_details):
-        method = handler_call_details.method
-        if method.startswith(OPEN_PREFIXES):
+        method = handler_call_details.method or ""
+        if method.startswith(OPEN_PREFIXES) or self.authorized(
+                handler_call_details.invocation_metadata):
             return await continuation(handler_call_details)
-        sent = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(sent.encode() if isinstance(sent, str) else sent, self._expected):
-            return await continuation(handler_call_details)
-        handler = await continuation(handler_call_details)
-        if handler is not None and handler.response_streaming and not handler.request_streaming:
-            async def deny_stream(request, context):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                    "missing or wrong bearer token in the authorization metadata")
-                yield  # pragma: no cover - makes this an async generator
-            return grpc.unary_stream_rpc_method_handler(
-                deny_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(
-            self._deny, request_deserializer=handler.request_deserializer if handler else None,
-            response_serializer=handler.response_serializer if handler else None)
+        return _denying(await continuation(handler_call_details))

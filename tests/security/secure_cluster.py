@@ -1,0 +1,73 @@
+"""Certificates for a test cluster and waiting on services whose ports speak TLS.
+
+The cluster CA signs prefill's and decode's identities (the handoff channel, mutual TLS) and
+the certificate of decode's client-facing API; a second, unrelated CA signs an intruder."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.helpers.tls import CertificateAuthority, Identity
+
+MODEL_FLAGS = ["--model", "demo", "--pool-tokens", "2048", "--max-context-tokens", "512",
+               "--page-size", "16"]
+TOKEN = "s3cret-test-token"
+
+
+@dataclass(frozen=True)
+class Pki:
+    prefill: Identity
+    decode: Identity
+    api: Identity
+    intruder: Identity  # signed by another CA that the cluster does not trust
+
+    @classmethod
+    def create(cls, root: Path) -> Pki:
+        cluster = CertificateAuthority.create(root / "cluster", "cluster-ca")
+        rogue = CertificateAuthority.create(root / "rogue", "rogue-ca")
+        intruder = rogue.issue("intruder")
+        return cls(cluster.issue("prefill"), cluster.issue("decode"), cluster.issue("api"),
+                   # the intruder trusts the cluster CA (it knows whom it talks to) but its own
+                   # certificate is signed by the rogue CA
+                   Identity(intruder.cert, intruder.key, cluster.cert))
+
+
+def health_status(channel: grpc.Channel, metadata=None) -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(), timeout=2.0, metadata=metadata).status
+
+
+def wait_serving_secure(address: str, credentials: grpc.ChannelCredentials,
+                        proc: subprocess.Popen, timeout: float = 180.0) -> None:
+    """Polls the standard health service over TLS until SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.secure_channel(address, credentials) as channel:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"process exited with {proc.returncode} before serving")
+            try:
+                if health_status(channel) == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} not SERVING over TLS after {timeout}s")
+
+
+def wait_log(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> str:
+    """Returns the log once it contains text (the service logs asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = path.read_text(errors="replace")
+        if text in log:
+            return log
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode} before logging {text!r}:\n{log}")
+        time.sleep(0.1)
+    raise TimeoutError(f"{text!r} not in {path} after {timeout}s")
