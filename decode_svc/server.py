@@ -36,6 +36,7 @@ class RunningDecode:
     client: PrefillClient
     handshake: asyncio.Task
     metrics_port: int
+    log: object
 
 
 def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits | None
@@ -75,7 +76,8 @@ async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClien
         try:
             info = await client.info(timeout=10.0)
         except grpc.aio.AioRpcError as err:
-            log.warning("prefill_unreachable", target=client.target, code=err.code().name)
+            log.warning("prefill_unreachable", target=client.target, code=err.code().name,
+                        details=err.details())
             await asyncio.sleep(1.0)
             continue
         limits, refusal = _agree(config, runtime, info, state.limits)
@@ -115,7 +117,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("decode", lambda: allocator.num_pages,
                              lambda: allocator.snapshot().pages_free, engine.running_count,
-                             engine.waiting_count)
+                             engine.waiting_count, counters=counters)
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
         runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
@@ -133,6 +135,13 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     if peer_tls is None and svc.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("insecure_handoff", message="decode listens on a non-loopback address and "
                     "talks to prefill without TLS; configure --tls-cert/--tls-key/--tls-ca")
+    public = svc.host not in ("127.0.0.1", "localhost", "::1")
+    if public and config.api_token and not config.api_tls_cert:
+        log.warning("api_token_without_tls", message="--api-token is set but the client API has "
+                    "no TLS: tokens travel in cleartext; set --api-tls-cert/--api-tls-key")
+    elif public and not config.api_token and not config.api_tls_cert:
+        log.warning("public_api_unauthenticated", message="the client API listens on a "
+                    "non-loopback address with neither TLS nor a bearer token")
     interceptors = [BearerTokenInterceptor(config.api_token)] if config.api_token else []
     api_tls = TlsFiles(config.api_tls_cert, config.api_tls_key) if config.api_tls_cert else None
     server, port, health = await create_server(register, svc.host, svc.port, api_tls, 4 << 20,
@@ -143,7 +152,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     task = asyncio.ensure_future(handshake(config, runtime, client, state, health, log))
     log.info("listening", role="decode", address=f"{svc.host}:{port}", metrics_port=metrics_port,
              prefill=config.prefill_target)
-    return RunningDecode(server, port, health, engine, client, task, metrics_port)
+    return RunningDecode(server, port, health, engine, client, task, metrics_port, log)
 
 
 def serve(config: DecodeConfig, port_file: Path | None = None) -> None:
@@ -158,6 +167,6 @@ def serve(config: DecodeConfig, port_file: Path | None = None) -> None:
             await running.client.close()
 
         await serve_until_signalled(running.server, running.health, SERVICE_NAMES,
-                                    config.service.grace_seconds, on_stop)
+                                    config.service.grace_seconds, on_stop, log=running.log)
 
     run_async(main)
