@@ -46,24 +46,29 @@ class Service:
 
 
 def start_service(role: str, workdir: Path, flags: list[str], env: dict | None = None,
-                  wait_healthy: bool = True) -> Service:
+                  wait_healthy: bool = True, module: str = "common.cli.main", port: int = 0,
+                  entry_args: list[str] | None = None) -> Service:
+    """Starts `python -m module *entry_args --port PORT --port-file F *flags` in workdir
+    (entry_args default to [role]: the real CLI) and waits for its port, then for SERVING."""
     workdir.mkdir(parents=True, exist_ok=True)
     port_file = workdir / f"{role}.port"
     port_file.unlink(missing_ok=True)
     log_path = workdir / f"{role}.log"
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    log = log_path.open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "common.cli.main", role, "--port", "0", "--port-file",
-         str(port_file), *flags], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *(entry_args or [role]), "--port", str(port),
+             "--port-file", str(port_file), *flags],
+            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     try:
-        port = wait_port_file(port_file, proc, START_TIMEOUT)
-        service = Service(role, proc, f"127.0.0.1:{port}", log_path)
+        bound = wait_port_file(port_file, proc, START_TIMEOUT)
+        service = Service(role, proc, f"127.0.0.1:{bound}", log_path)
         if wait_healthy:
             wait_serving(service.address, proc, START_TIMEOUT)
         return service
     except Exception as err:
         proc.kill()
+        proc.wait()
         raise RuntimeError(f"{role} failed to start: {err}\n{log_path.read_text()[-3000:]}") from err
 
 
