@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton decides interpreted-or-compiled for its own library functions (tl.zeros, ...) when
+    # triton.language is first imported, and our kernel modules import triton: the variable must
+    # be set before any test module is collected, not only in tests/kernels/conftest.py.
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
