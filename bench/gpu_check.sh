@@ -16,7 +16,11 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.txt"
 
-step() { local name=$1 limit=$2; shift 2; echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
+# STEPS selects steps by name (default: all), e.g. STEPS="kernels gpu_tests"
+STEPS=${STEPS:-"kernels gpu_tests e2e_gpu decode_throughput capacity service_sizing"}
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+step() { local name=$1 limit=$2; shift 2; want "$name" || return 0
+  echo "=== $name (limit ${limit}s)"; local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; local rc=$?
   tail -n 60 "$OUT/$name.txt"; echo "=== $name rc=$rc in $((SECONDS - t0))s"; }
 
@@ -27,9 +31,11 @@ step e2e_gpu 240 python3 -m pytest -q -p no:cacheprovider -x tests/e2e/test_trit
 [ -f bench/capacity_report.py ] && step capacity 60 python3 bench/capacity_report.py
 echo "all steps done in ${SECONDS}s"
 # The real service sizing its pool from device memory (demo model), read from its start-up log.
+want service_sizing && {
 echo "=== service_sizing"
 (timeout 90 python3 -m common.cli.main prefill --model demo --pool-tokens 0 --memory-fraction 0.5 \
    --allow-context-beyond-pool --port 0 > "$OUT/service_sizing.txt" 2>&1 &)
 for i in $(seq 1 80); do grep -q '"event": "serving"' "$OUT/service_sizing.txt" 2>/dev/null && break; sleep 1; done
 grep runtime_ready "$OUT/service_sizing.txt"; pkill -f "common.cli.main prefill" || true
+}
 echo "finished in ${SECONDS}s"

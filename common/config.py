@@ -68,3 +68,4 @@ class DecodeConfig:
     api_token: str = ""
     api_tls_cert: str = ""
     api_tls_key: str = ""
+    local_prefill: bool = False

@@ -1,17 +1,62 @@
 """Decode's channel to prefill: the info handshake and the handoff stream.
 
 One channel for all prefill replicas: a DNS name with several addresses is balanced by gRPC's
-own round_robin policy.
+own round_robin policy. Handoff frames arrive as raw bytes (no deserializer on the call) and are
+parsed by the wire codec: a chunk in the canonical encoding costs O(header) and its payload is
+not copied; any other frame goes through protobuf, in a worker thread when it is large.
 """
 
 from __future__ import annotations
 
-import grpc
+import asyncio
+from collections.abc import AsyncIterator
 
-from common.server.grpc_server import TlsFiles
+import grpc
+from google.protobuf.message import DecodeError
+
+from common.handoff.codec import WireChunkFrame, parse_chunk_fast
+from common.handoff.reasons import HandoffRefused
 from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
+from common.server.grpc_server import TlsFiles
 
 FRAME_OVERHEAD_BYTES = 64 << 10
+PREFILL_METHOD = "/kvhandoff.v1.HandoffService/Prefill"
+# A frame the fast path does not take and that is at least this large is parsed off the loop.
+LARGE_FRAME_BYTES = 64 << 10
+
+
+def parse_frame(data: bytes) -> handoff_pb2.PrefillResponse:
+    """The protobuf parse; a frame protobuf cannot read is refused as FRAME_MALFORMED."""
+    try:
+        return handoff_pb2.PrefillResponse.FromString(data)
+    except DecodeError as err:
+        raise HandoffRefused(grpc.StatusCode.INTERNAL, "FRAME_MALFORMED",
+                             f"prefill sent a frame that is not a PrefillResponse "
+                             f"({len(data)} bytes): {err}") from err
+
+
+class HandoffStream:
+    """One Prefill call: iterate it with `async for` (PrefillResponse or WireChunkFrame items,
+    both read by the verifier), end it with `.cancel()`. gRPC errors pass through unchanged."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    def __aiter__(self) -> AsyncIterator[handoff_pb2.PrefillResponse | WireChunkFrame]:
+        return self._frames()
+
+    async def _frames(self) -> AsyncIterator[handoff_pb2.PrefillResponse | WireChunkFrame]:
+        async for data in self._call:
+            frame = parse_chunk_fast(data)
+            if frame is not None:
+                yield frame
+            elif len(data) >= LARGE_FRAME_BYTES:
+                yield await asyncio.to_thread(parse_frame, data)
+            else:
+                yield parse_frame(data)
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
 
 
 class PrefillClient:
@@ -20,20 +65,24 @@ class PrefillClient:
             ("grpc.max_receive_message_length", max_chunk_bytes + FRAME_OVERHEAD_BYTES),
             ("grpc.lb_policy_name", "round_robin"),
             ("grpc.enable_retries", 0),
+            ("grpc.http2.max_frame_size", (1 << 24) - 1),
         ]
         self.target = target
         self.channel = (grpc.aio.secure_channel(target, tls.channel_credentials(), options)
                         if tls else grpc.aio.insecure_channel(target, options))
         self.stub = handoff_pb2_grpc.HandoffServiceStub(self.channel)
+        self._prefill_raw = self.channel.unary_stream(
+            PREFILL_METHOD, request_serializer=handoff_pb2.PrefillRequest.SerializeToString,
+            response_deserializer=None, _registered_method=True)
 
     async def info(self, timeout: float) -> handoff_pb2.GetPrefillInfoResponse:
         return await self.stub.GetPrefillInfo(handoff_pb2.GetPrefillInfoRequest(),
                                               timeout=timeout, wait_for_ready=True)
 
-    def prefill(self, request: handoff_pb2.PrefillRequest, timeout: float):
+    def prefill(self, request: handoff_pb2.PrefillRequest, timeout: float) -> HandoffStream:
         """A streaming call; iterate it with `async for`, cancel it with `.cancel()`."""
-        return self.stub.Prefill(request, timeout=timeout,
-                                 metadata=(("x-request-id", request.request_id),))
+        return HandoffStream(self._prefill_raw(
+            request, timeout=timeout, metadata=(("x-request-id", request.request_id),)))
 
     async def close(self) -> None:
         await self.channel.close()

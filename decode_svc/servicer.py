@@ -1,6 +1,8 @@
 """The GenerationService on decode: validate, reserve, pull and verify the handoff, generate.
 
 Whatever ends a request (done, refused, client gone, deadline), `finally` releases its pages.
+With a LocalPrefillEngine (--local-prefill) the engine computes the prompt's KV itself instead
+of the handoff; everything else is the same path.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from common.sampling import SamplingConfig
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import receive_handoff
+from decode_svc.local_prefill import LocalPrefillEngine, prefill_locally
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
 from decode_svc.validation import DecodeLimits, prompt_ids, validate_generate
@@ -89,11 +92,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             expect = Expectation(request_id, len(prompt.token_ids), self.layout, self.fingerprint,
                                  self.max_chunk_bytes, limits.vocab_size)
             remaining = context.time_remaining()
-            timeout = self.handoff_timeout_s if remaining is None else min(remaining, self.handoff_timeout_s)
-            first, nbytes = await receive_handoff(self.client, self.engine, handoff_request,
-                                                  expect, timeout)
+            timeout = (self.handoff_timeout_s if remaining is None
+                       else min(remaining, self.handoff_timeout_s))
+            local = isinstance(self.engine, LocalPrefillEngine)
+            if local:
+                first, nbytes = await prefill_locally(self.engine, request_id, prompt.token_ids,
+                                                      sampling), 0
+            else:
+                first, nbytes = await receive_handoff(self.client, self.engine, handoff_request,
+                                                      expect, timeout)
             handed = time.monotonic()
-            log.info("handoff_verified", prompt_tokens=len(prompt.token_ids), bytes=nbytes,
+            log.info("prefilled_locally" if local else "handoff_verified",
+                     prompt_tokens=len(prompt.token_ids), bytes=nbytes,
                      seconds=round(handed - queued, 4))
             self.metrics.handoff(handed - queued, nbytes, queued - received)
             stop_ids = frozenset(request.stop_token_ids) | (
@@ -106,7 +116,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             log.info("request_finished", seconds=round(time.monotonic() - received, 4))
         except HandoffRefused as err:
             self.refusals[err.reason] = self.refusals.get(err.reason, 0) + 1
-            log.warning("handoff_refused", reason=err.reason, code=err.code.name, message=err.message)
+            log.warning("handoff_refused", reason=err.reason, code=err.code.name,
+                        message=err.message)
             self.metrics.refused(err.reason)
             await abort_with(context, err)
         except ServiceError as err:

@@ -3,7 +3,8 @@ each layer's KV as chunks as soon as that layer is stored.
 
 Invariants: a job's pages are allocated before its forward pass and freed after its commit or
 abort, whatever happens; a cancelled job gets no more frames; compute never runs on the event
-loop (servicers only call `submit`).
+loop (servicers only call `submit`). Frames leave this thread already serialized (the protobuf
+encoding of a PrefillResponse, crc32c included), so the event loop only hands bytes to gRPC.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.handoff.codec import chunk_frame, commit_frame
+from common.handoff.codec import chunk_wire, commit_frame, frame_wire
 from common.handoff.layout import KvLayout
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import LlamaModel, PrefillBatch
@@ -26,13 +27,14 @@ from common.sampling import SamplingConfig, sample_batch
 
 @dataclass
 class PrefillJob:
-    """emit(frame) is thread-safe; emit(None) ends the job's stream."""
+    """emit(frame) is thread-safe; frame is a serialized PrefillResponse; emit(None) ends the
+    job's stream."""
 
     request_id: str
     token_ids: list[int]
     sampling: SamplingConfig
     chunk_tokens: int
-    emit: Callable[[handoff_pb2.PrefillResponse | None], None]
+    emit: Callable[[bytes | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     chunks_sent: int = 0
 
@@ -109,16 +111,19 @@ class PrefillEngine:
             firsts = sample_batch(logits, [j.sampling for j in batch], [0] * len(batch))
             for job, first in zip(batch, firsts):
                 if not job.cancelled.is_set():
-                    job.emit(commit_frame(job.request_id, len(job.token_ids), job.chunks_sent, first))
-                    self.counters["handoffs_completed"] = self.counters.get("handoffs_completed", 0) + 1
+                    job.emit(frame_wire(commit_frame(job.request_id, len(job.token_ids),
+                                                     job.chunks_sent, first)))
+                    done = self.counters.get("handoffs_completed", 0)
+                    self.counters["handoffs_completed"] = done + 1
         except _BatchCancelled:
             self.log.info("prefill_cancelled", request_ids=[j.request_id for j in batch])
         except Exception as exc:  # the stream must end with ABORTED, never with partial silence
             self.log.exception("prefill_failed", error=str(exc))
             for job in batch:
                 if not job.cancelled.is_set():
-                    job.emit(commit_frame(job.request_id, len(job.token_ids), job.chunks_sent, 0,
-                                          handoff_pb2.HANDOFF_STATUS_ABORTED, f"prefill failed: {exc}"))
+                    job.emit(frame_wire(commit_frame(
+                        job.request_id, len(job.token_ids), job.chunks_sent, 0,
+                        handoff_pb2.HANDOFF_STATUS_ABORTED, f"prefill failed: {exc}")))
         finally:
             for job in batch:
                 self.pool.release(job.request_id)
@@ -158,5 +163,5 @@ class PrefillEngine:
         for start in range(0, n, job.chunk_tokens):
             count = min(job.chunk_tokens, n - start)
             kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
-            job.emit(chunk_frame(job.request_id, job.chunks_sent, layer, start, kv))
+            job.emit(chunk_wire(job.request_id, job.chunks_sent, layer, start, kv))
             job.chunks_sent += 1

@@ -1,0 +1,31 @@
+"""`kvhandoff bench ...`: the benchmarks, one subcommand each."""
+
+from __future__ import annotations
+
+import sys
+
+BENCHMARKS = {
+    "transfer": ("bench.transfer", "KV handoff GB/s through the services' code vs a plain socket"),
+    "serve": ("bench.serve", "serving load test (TTFT, TPOT, ITL, goodput), disaggregated vs "
+              "--local-prefill"),
+    "ttft": ("bench.ttft", "exposed transfer time: TTFT disaggregated minus TTFT in one process"),
+    "decode": ("bench.decode_throughput", "decode tokens/s at several batch sizes"),
+    "scrub": ("bench.scrub", "what --scrub-freed-pages costs"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
+        lines = [f"  {name:<10} {text}" for name, (_, text) in BENCHMARKS.items()]
+        print("usage: kvhandoff bench BENCHMARK [options]   (kvhandoff bench BENCHMARK --help)"
+              "\n\nbenchmarks:\n" + "\n".join(lines)
+              + "\n\n(the Triton kernel benchmark runs as `python bench/kernels.py`)")
+        return 2 if argv and argv[0] not in ("-h", "--help") else 0
+    import importlib
+
+    module = importlib.import_module(BENCHMARKS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

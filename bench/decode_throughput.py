@@ -1,0 +1,132 @@
+"""`kvhandoff bench decode`: decode tokens/s of the in-process engine at several batch sizes.
+
+    kvhandoff bench decode [--batches 1,8,32] [--prompt-len 128] [--new-tokens 64] [--json OUT]
+
+For each batch size B: B prompts are prefilled (the local-prefill engine, into the pool), then
+all join the running batch at once and decode --new-tokens each; tokens/s counts the tokens of
+decode steps (the first token of each comes from its prefill) over the time from joining to the
+last one finishing. The model, pool and engine are the services' own (`build_runtime`,
+`DecodeEngine` stepping), only without gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+
+from common.config import ServiceConfig
+from common.log import make_logger
+from common.sampling import SamplingConfig
+from common.server.runtime import build_runtime, warm_up
+from decode_svc.local_prefill import LocalPrefillEngine
+from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence
+
+
+class _Finish:
+    """Counts finished sequences of one batch (emit runs on the engine thread)."""
+
+    def __init__(self, expected: int) -> None:
+        self.left = expected
+        self.done = threading.Event()
+        self.errors: list[str] = []
+        self.lock = threading.Lock()
+
+    def emit(self, event) -> None:
+        if isinstance(event, (FinishedEvent, FailedEvent)):
+            if isinstance(event, FailedEvent):
+                self.errors.append(str(event.error))
+            with self.lock:
+                self.left -= 1
+                if self.left == 0:
+                    self.done.set()
+
+
+def _answer(call) -> object:
+    future: Future = Future()
+    call(future.set_result)
+    return future.result(timeout=600)
+
+
+def run_batch(engine: LocalPrefillEngine, batch: int, prompt_len: int, new_tokens: int,
+              tag: str) -> float:
+    """-> seconds from the batch joining to its last sequence finishing."""
+    greedy = SamplingConfig()
+    finish = _Finish(batch)
+    sequences = []
+    for i in range(batch):
+        rid = f"{tag}-{i}"
+        ids = [(13 * i + 7 * t) % 90 + 3 for t in range(prompt_len)]
+        pages = _answer(lambda done, r=rid: engine.reserve(r, prompt_len + new_tokens - 1, done))
+        if not isinstance(pages, list):
+            raise RuntimeError(f"reservation refused: {pages}")
+        first = _answer(lambda done, r=rid, ids=ids: engine.prefill(r, ids, greedy, done))
+        sequences.append(Sequence(rid, prompt_len, ids + [first], new_tokens, greedy,
+                                  frozenset(), finish.emit))
+    started = time.perf_counter()
+    for seq in sequences:
+        engine.begin(seq)
+    if not finish.done.wait(timeout=3600):
+        raise RuntimeError("the batch did not finish")
+    elapsed = time.perf_counter() - started
+    for seq in sequences:
+        engine.release(seq.request_id)
+    if finish.errors:
+        raise RuntimeError(f"decode failed: {finish.errors[0]}")
+    return elapsed
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvhandoff bench decode", description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--model", default="demo")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--kernels", default="auto")
+    p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    per_seq = args.prompt_len + args.new_tokens
+    config = ServiceConfig(model=args.model, device=args.device, kernels=args.kernels,
+                           pool_tokens=max(batches) * (per_seq + 16) + 64,
+                           max_context_tokens=per_seq, allow_context_beyond_pool=True)
+    log = make_logger("decode", stream=io.StringIO())
+    runtime = build_runtime(config, log)
+    warm_up(runtime)
+    engine = LocalPrefillEngine(runtime.model, runtime.pool, max_batch=max(batches),
+                                max_waiting=max(batches), log=log, counters={})
+    engine.start()
+    rows = []
+    try:
+        run_batch(engine, 1, args.prompt_len, 4, "warmup")
+        for batch in batches:
+            seconds = run_batch(engine, batch, args.prompt_len, args.new_tokens, f"b{batch}")
+            steps = args.new_tokens - 1
+            rows.append({"batch": batch, "seconds": seconds, "tokens": batch * steps,
+                         "tokens_per_s": batch * steps / seconds,
+                         "ms_per_step": seconds / steps * 1e3})
+    finally:
+        engine.stop()
+    base = rows[0]["tokens_per_s"]
+    print(f"model {args.model} on {runtime.model.device} ({runtime.kernels} kernels, "
+          f"{torch.get_num_threads()} torch threads); prompt {args.prompt_len} tokens, "
+          f"{args.new_tokens} new tokens per sequence")
+    print(f"{'batch':>6} {'tokens/s':>10} {'ms/step':>9} {'vs batch ' + str(rows[0]['batch']):>11}")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['tokens_per_s']:>10.1f} {r['ms_per_step']:>9.2f} "
+              f"{r['tokens_per_s'] / base:>10.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": "decode_throughput", "model": args.model,
+                                         "prompt_len": args.prompt_len,
+                                         "new_tokens": args.new_tokens, "rows": rows}, indent=2))
+    return 0

@@ -1,0 +1,142 @@
+"""A prefill service whose model computes nothing, for measuring the transfer alone.
+
+Everything but the forward pass is the real prefill: `PrefillEngine` (pages, per-layer emit,
+pack_kv, frame encoding and crc32c on the engine thread), `HandoffServicer` registered by
+`add_handoff_service`, `create_server`, gRPC. The pool is filled with random KV once; the
+"forward pass" reports every layer stored at once and returns zero logits. The same process
+also runs a plain TCP sender, the baseline the handoff is compared with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import socket
+import struct
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from common.capacity import Capacity
+from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout
+from common.kvpool.kv_cache import KvPool, PoolConfig
+from common.log import make_logger
+from common.model.llama import PrefillBatch
+from common.ops.torch_ops import TorchOps
+from common.pb.kvhandoff.v1 import handoff_pb2
+from common.server.grpc_server import create_server
+from prefill_svc.engine import PrefillEngine
+from prefill_svc.servicer import HandoffServicer, add_handoff_service
+from prefill_svc.validation import PrefillLimits
+
+FINGERPRINT = "bench-synthetic-kv"
+VOCAB = 1024
+PAGE_SIZE = 16
+SIZE_HEADER = struct.Struct("!Q")
+
+
+class PoolOnlyModel:
+    """Stands in for LlamaModel in an engine: a forward pass that leaves the pool as it is."""
+
+    def __init__(self, layout: KvLayout) -> None:
+        self.layout = layout
+        self.ops = TorchOps()
+        self.device = torch.device("cpu")
+
+    def prefill(self, batch: PrefillBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                on_layer_stored=None) -> torch.Tensor:
+        for layer in range(self.layout.num_layers):
+            if on_layer_stored is not None:
+                on_layer_stored(layer)
+        return torch.zeros(batch.cu_seqlens.numel() - 1, VOCAB)
+
+    def decode(self, *args, **kwargs) -> torch.Tensor:
+        raise RuntimeError("the synthetic model does not decode")
+
+
+def random_pool(layout: KvLayout, pool_tokens: int, seed: int = 0) -> KvPool:
+    pool = KvPool(PoolConfig(pool_tokens=pool_tokens, page_size=PAGE_SIZE), layout.num_layers,
+                  layout.num_kv_heads, layout.head_dim, layout.dtype, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    for cache in (pool.k, pool.v):
+        for layer in range(layout.num_layers):
+            cache[layer].normal_(generator=gen)
+    return pool
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    layout: KvLayout
+    pool_tokens: int
+    torch_threads: int = 0  # 0: torch's default
+
+
+def _capacity(spec: SyntheticSpec) -> Capacity:
+    per_token = 2 * spec.layout.num_layers * spec.layout.bytes_per_token_per_layer
+    return Capacity(PAGE_SIZE, spec.pool_tokens // PAGE_SIZE, per_token, spec.pool_tokens,
+                    "bench")
+
+
+async def _serve(spec: SyntheticSpec, conn) -> None:
+    log = make_logger("prefill", stream=io.StringIO())  # keep the benchmark's output clean
+    model = PoolOnlyModel(spec.layout)
+    pool = random_pool(spec.layout, spec.pool_tokens)
+    engine = PrefillEngine(model, pool, spec.layout, spec.pool_tokens, log, {})
+    capacity = _capacity(spec)
+    limits = PrefillLimits(vocab_size=VOCAB, context_window=spec.pool_tokens,
+                           pool_tokens=capacity.pool_tokens, model_fingerprint=FINGERPRINT,
+                           min_chunk_bytes=2 * spec.layout.bytes_per_token_per_layer)
+    servicer = HandoffServicer(engine, spec.layout, capacity, limits, {}, log)
+
+    def register(server) -> list[str]:
+        add_handoff_service(servicer, server)
+        return [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name]
+
+    server, port, _ = await create_server(register, "127.0.0.1", 0, None,
+                                          DEFAULT_MAX_CHUNK_BYTES + (1 << 20))
+    engine.start()
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_socket_sender, args=(listener,), daemon=True).start()
+    conn.send((port, listener.getsockname()[1]))
+    await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+    listener.close()
+    await server.stop(0)
+    engine.stop()
+
+
+def _socket_sender(listener: socket.socket) -> None:
+    """Per connection: read a size, send that many bytes from memory, repeat until closed."""
+    payload = b""
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while header := _recv_exact(sock, SIZE_HEADER.size):
+                (size,) = SIZE_HEADER.unpack(header)
+                if len(payload) < size:
+                    payload = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
+                sock.sendall(memoryview(payload)[:size])
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        part = sock.recv(size - len(data))
+        if not part:
+            return b""
+        data += part
+    return bytes(data)
+
+
+def serve_in_process(spec: SyntheticSpec, conn) -> None:
+    """Entry point of the spawned helper: sends (grpc port, socket port), then serves until
+    anything arrives on conn."""
+    from common.server.grpc_server import run_async
+
+    if spec.torch_threads > 0:
+        torch.set_num_threads(spec.torch_threads)
+    run_async(lambda: _serve(spec, conn))

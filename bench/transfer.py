@@ -1,0 +1,238 @@
+"""`kvhandoff bench transfer`: KV handoff throughput through the services' own code, against a
+plain TCP socket moving the same bytes on the same machine.
+
+    kvhandoff bench transfer [--sizes 1MiB,64MiB,1GiB] [--repeats N] [--json OUT]
+
+Prefill runs in a spawned process (bench/synthetic_prefill.py: the real engine, codec,
+servicer and gRPC server over a pool of random KV, with a forward pass that computes nothing).
+This process is decode: a real `PrefillClient`, `receive_handoff` (verifier, crc32c, chunk
+decode) and `DecodeEngine` writing every chunk into its own pool. One handoff is timed from the
+Prefill call to the last chunk written into decode's pool. The socket baseline is timed from
+the request to the last byte received. GB/s is 1e9 bytes per second of KV payload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import multiprocessing
+import os
+import re
+import socket
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from bench.synthetic_prefill import (FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, PoolOnlyModel,
+                                     SyntheticSpec, serve_in_process)
+from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
+from common.handoff.verifier import Expectation
+from common.kvpool.kv_cache import KvPool, PoolConfig
+from common.log import make_logger
+from common.pb.kvhandoff.v1 import handoff_pb2
+from common.sampling import SamplingConfig
+from decode_svc.engine import DecodeEngine
+from decode_svc.handoff import receive_handoff
+from decode_svc.prefill_client import PrefillClient
+
+UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30,
+         "KB": 10**3, "MB": 10**6, "GB": 10**9}
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_size(text: str) -> int:
+    """'1MiB', '64MiB', '1GiB', '500MB', '4096' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in UNITS:
+        raise ValueError(f"size {text!r}: use a number with B, KiB, MiB, GiB, KB, MB or GB")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def kv_bytes_per_token(layout: KvLayout) -> int:
+    return 2 * layout.num_layers * layout.bytes_per_token_per_layer
+
+
+class DecodeSide:
+    """Decode's half of a handoff: reservation, the real receive path, the engine's writes."""
+
+    def __init__(self, layout: KvLayout, pool_tokens: int, address: str) -> None:
+        self.layout = layout
+        pages = -(-pool_tokens // PAGE_SIZE) + 1  # one spare page for the barrier
+        self.pool = KvPool(PoolConfig(pool_tokens=pages * PAGE_SIZE, page_size=PAGE_SIZE),
+                           layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
+                           torch.device("cpu"))
+        self.engine = DecodeEngine(PoolOnlyModel(layout), self.pool, max_batch=1, max_waiting=4,
+                                   log=make_logger("decode", stream=io.StringIO()), counters={})
+        self.client = PrefillClient(address, DEFAULT_MAX_CHUNK_BYTES, None)
+
+    async def _reserve(self, request_id: str, num_tokens: int) -> None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self.engine.reserve(request_id, num_tokens,
+                            lambda result: loop.call_soon_threadsafe(done.set_result, result))
+        result = await asyncio.wait_for(done, 60.0)
+        if not isinstance(result, list):
+            raise RuntimeError(f"reservation refused: {result}")
+
+    async def handoff(self, num_tokens: int) -> tuple[float, int]:
+        """-> (seconds, payload bytes) of one verified handoff written into the pool."""
+        request_id = uuid.uuid4().hex
+        barrier = f"{request_id}-barrier"
+        await self._reserve(request_id, num_tokens)
+        request = handoff_pb2.PrefillRequest(
+            request_id=request_id, token_ids=[1] * num_tokens, protocol_version=protocol_version(),
+            model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
+            max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES)
+        expect = Expectation(request_id, num_tokens, self.layout, FINGERPRINT,
+                             DEFAULT_MAX_CHUNK_BYTES, VOCAB)
+        try:
+            started = time.perf_counter()
+            _, nbytes = await receive_handoff(self.client, self.engine, request, expect, 600.0)
+            await self._reserve(barrier, 1)  # commands run in order: every write is done now
+            return time.perf_counter() - started, nbytes
+        finally:
+            self.engine.release(request_id)
+            self.engine.release(barrier)
+
+
+def socket_receive(sock: socket.socket, size: int, buffer: bytearray) -> float:
+    started = time.perf_counter()
+    sock.sendall(SIZE_HEADER.pack(size))
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:size])
+        if n == 0:
+            raise ConnectionError("the socket sender closed early")
+        got += n
+    return time.perf_counter() - started
+
+
+def default_repeats(size: int) -> int:
+    return max(2, min(30, (256 << 20) // max(size, 1)))
+
+
+async def measure(layout: KvLayout, sizes: list[int], repeats: int, grpc_port: int,
+                  socket_port: int, progress) -> list[dict]:
+    per_token = kv_bytes_per_token(layout)
+    side = DecodeSide(layout, max(-(-s // per_token) for s in sizes), f"127.0.0.1:{grpc_port}")
+    side.engine.start()
+    sock = socket.create_connection(("127.0.0.1", socket_port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    results = []
+    try:
+        for size in sizes:
+            tokens = -(-size // per_token)
+            nbytes = tokens * per_token
+            reps = repeats or default_repeats(nbytes)
+            buffer = bytearray(nbytes)
+            handoff_s, socket_s = [], []
+            for rep in range(reps + 1):  # the first of each is a warm-up
+                seconds, got = await side.handoff(tokens)
+                if got != nbytes:
+                    raise RuntimeError(f"handoff moved {got} bytes, expected {nbytes}")
+                sock_seconds = socket_receive(sock, nbytes, buffer)
+                if rep:
+                    handoff_s.append(seconds)
+                    socket_s.append(sock_seconds)
+                progress(f"{_human(nbytes)}: {rep}/{reps}")
+            handoff_gbps = nbytes / statistics.median(handoff_s) / 1e9
+            socket_gbps = nbytes / statistics.median(socket_s) / 1e9
+            results.append({
+                "size_bytes": nbytes, "tokens": tokens, "repeats": reps,
+                "chunks": layout.num_layers * -(-tokens // layout.chunk_tokens(
+                    DEFAULT_MAX_CHUNK_BYTES)),
+                "handoff_gbps": handoff_gbps, "socket_gbps": socket_gbps,
+                "ratio": handoff_gbps / socket_gbps,
+                "handoff_seconds": handoff_s, "socket_seconds": socket_s})
+    finally:
+        sock.close()
+        side.engine.stop()
+        await side.client.close()
+    return results
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def _run_loop(coro):
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def print_table(layout: KvLayout, results: list[dict]) -> None:
+    print(f"KV layout: {layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
+          f"{layout.head_dim} x {str(layout.dtype).removeprefix('torch.')} "
+          f"({kv_bytes_per_token(layout) >> 10} KiB per token); chunks of at most "
+          f"{layout.chunk_tokens(DEFAULT_MAX_CHUNK_BYTES)} tokens per layer")
+    print(f"{'size':>10} {'chunks':>7} {'handoff GB/s':>13} {'socket GB/s':>12} {'ratio':>6}")
+    for r in results:
+        print(f"{_human(r['size_bytes']):>10} {r['chunks']:>7} {r['handoff_gbps']:>13.3f} "
+              f"{r['socket_gbps']:>12.3f} {r['ratio']:>6.2f}")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvhandoff bench transfer", description=__doc__.split("\n")[0])
+    p.add_argument("--sizes", default="1MiB,64MiB,1GiB", help="KV payload sizes, comma separated")
+    p.add_argument("--repeats", type=int, default=0, help="timed runs per size (0: by size)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="torch threads in each of the two processes (0: torch's default)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    try:
+        sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as err:
+        p.error(str(err))
+    layout = KvLayout(args.layers, args.kv_heads, args.head_dim, DTYPES[args.dtype])
+    pool_tokens = max(-(-s // kv_bytes_per_token(layout)) for s in sizes)
+    pool_tokens = -(-pool_tokens // PAGE_SIZE) * PAGE_SIZE
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    spec = SyntheticSpec(layout, pool_tokens, args.torch_threads)
+    helper = ctx.Process(target=serve_in_process, args=(spec, child), daemon=True)
+    helper.start()
+    try:
+        if not parent.poll(300):
+            raise RuntimeError("the synthetic prefill did not start within 300 s")
+        grpc_port, socket_port = parent.recv()
+
+        def progress(text: str) -> None:
+            print(f"\r[transfer] {text}   ", end="", file=sys.stderr, flush=True)
+
+        results = _run_loop(measure(layout, sizes, args.repeats, grpc_port, socket_port,
+                                    progress))
+        print(file=sys.stderr)
+    finally:
+        parent.send("stop")
+        helper.join(30)
+        if helper.is_alive():
+            helper.kill()
+    print_table(layout, results)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "benchmark": "transfer", "torch_threads": args.torch_threads, "layout": {
+                "num_layers": layout.num_layers, "num_kv_heads": layout.num_kv_heads,
+                "head_dim": layout.head_dim, "dtype": args.dtype},
+            "results": results}, indent=2))
+    return 0

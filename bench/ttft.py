@@ -1,0 +1,137 @@
+"""`kvhandoff bench ttft`: the transfer time a disaggregated handoff leaves exposed, as
+TTFT(disaggregated) - TTFT(same engine in one process, decode --local-prefill).
+
+    kvhandoff bench ttft [--lengths 512,2048,8192] [--repeats 5] [--json OUT]
+
+One request at a time (max_tokens 1), so TTFT is prefill plus, when disaggregated, the part of
+the KV transfer that per-layer streaming does not hide behind compute. Both deployments run
+at once and take turns, request by request; the exposed time is the median of the paired
+differences. The demo model's window
+is 4096 positions; for longer prompts the benchmark writes the demo weights into a checkpoint
+with a longer window (RoPE needs nothing else) in a temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+
+from bench.serve_client import RequestSpec, run_one
+from bench.servers import MODES, model_vocab_size, start_deployment
+from common.pb.kvhandoff.v1 import generate_pb2_grpc
+
+DEMO_WINDOW = 4096
+
+
+def write_long_demo(root: Path, max_positions: int) -> Path:
+    """The demo model as a checkpoint directory whose window is max_positions."""
+    from safetensors.torch import save_file
+
+    from common.model.demo import build_demo_model, demo_hf_config
+
+    demo = build_demo_model()
+    config = {**demo_hf_config(demo.config.vocab_size), "max_position_embeddings": max_positions}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in demo.weights.items()}, str(root / "model.safetensors"))
+    return root
+
+
+async def _ttfts(addresses: dict[str, str], lengths: list[int], repeats: int, vocab: int,
+                 progress) -> dict[str, dict[int, list[float]]]:
+    """TTFT samples per mode and length; the modes take turns request by request, so a change
+    in the machine's load hits both alike."""
+    out: dict[str, dict[int, list[float]]] = {mode: {} for mode in addresses}
+    channels = {mode: grpc.aio.insecure_channel(address) for mode, address in addresses.items()}
+    try:
+        stubs = {m: generate_pb2_grpc.GenerationServiceStub(c) for m, c in channels.items()}
+        for length in lengths:
+            ids = [(7 * i + 3) % (vocab - 3) + 3 for i in range(length)]
+            for mode in addresses:
+                out[mode][length] = []
+            for rep in range(repeats + 1):  # the first round is a warm-up
+                for mode, stub in stubs.items():
+                    result = await run_one(stub, RequestSpec(ids, 1), 600.0)
+                    if not result.ok:
+                        raise RuntimeError(f"{mode}: {length}-token request failed: "
+                                           f"{result.error}")
+                    if rep:
+                        out[mode][length].append(result.ttft)
+                progress(f"{length} tokens {rep}/{repeats}")
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return out
+
+
+def _run_loop(coro):
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="kvhandoff bench ttft", description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="512,2048,8192")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default="demo")
+    p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p.add_argument("--server-args", default="", help="extra flags for every service")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    window = max(lengths) + 1
+    with tempfile.TemporaryDirectory(prefix="kvh-bench-ttft-") as tmp:
+        model = args.model
+        if model == "demo" and window > DEMO_WINDOW:
+            model = str(write_long_demo(Path(tmp) / "demo-long", window))
+        pool = max(window // 16 + 2, 256) * 16  # whole pages, at least the window
+        flags = ["--model", model, "--pool-tokens", str(pool), "--max-context-tokens",
+                 str(window), *args.server_args.split()]
+        deployments = []
+        try:
+            for mode in MODES:
+                print(f"[{mode}] starting services ...", file=sys.stderr, flush=True)
+                deployments.append(start_deployment(mode, flags, Path(tmp), args.torch_threads))
+            per_mode = _run_loop(_ttfts(
+                {d.mode: d.address for d in deployments}, lengths, args.repeats,
+                model_vocab_size(model),
+                lambda text: print(f"\r[ttft] {text}   ", end="", file=sys.stderr, flush=True)))
+            print(file=sys.stderr)
+        finally:
+            for deployment in deployments:
+                deployment.stop()
+    rows = []
+    for length in lengths:
+        disaggregated = statistics.median(per_mode["disaggregated"][length])
+        local = statistics.median(per_mode["local"][length])
+        paired = [a - b for a, b in zip(per_mode["disaggregated"][length],
+                                        per_mode["local"][length])]
+        exposed = statistics.median(paired)
+        rows.append({"prompt_tokens": length, "ttft_disaggregated_ms": disaggregated * 1e3,
+                     "ttft_local_ms": local * 1e3, "exposed_ms": exposed * 1e3,
+                     "exposed_share": exposed / disaggregated,
+                     "samples_ms": {m: [t * 1e3 for t in per_mode[m][length]] for m in MODES}})
+    print(f"model {args.model}, {args.torch_threads} torch threads per service, medians of "
+          f"{args.repeats} rounds")
+    print(f"{'prompt':>7} {'TTFT disagg ms':>15} {'TTFT local ms':>14} {'exposed ms':>11} "
+          f"{'share of TTFT':>14}")
+    for r in rows:
+        print(f"{r['prompt_tokens']:>7} {r['ttft_disaggregated_ms']:>15.1f} "
+              f"{r['ttft_local_ms']:>14.1f} {r['exposed_ms']:>11.1f} {r['exposed_share']:>13.1%}")
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": "ttft", "model": args.model,
+                                         "torch_threads": args.torch_threads, "rows": rows},
+                                        indent=2))
+    return 0
