@@ -122,3 +122,19 @@ class ServiceMetrics:
         """Starts the /metrics endpoint; port 0 picks a free one. Returns the bound port."""
         server, _thread = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class NullMetrics:
+    """Records nothing: for engines and servicers built outside a service (tests, benches)."""
+
+    def refused(self, reason: str) -> None:
+        pass
+
+    def handoff(self, seconds: float, nbytes: int, queue_seconds: float | None = None) -> None:
+        pass
+
+    def queued(self, seconds: float) -> None:
+        pass
+
+    def prefill(self, seconds: float, tokens: int, requests: int = 1) -> None:
+        pass

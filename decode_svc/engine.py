@@ -46,6 +46,7 @@ class DecodeEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[_Reservation] = deque()
         self._running: dict[str, Sequence] = {}
+        self._write_failed: set[str] = set()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
 
@@ -124,14 +125,25 @@ class DecodeEngine:
     def _on_write(self, request_id: str, layer: int, token_start: int, kv: torch.Tensor) -> None:
         if not self.pool.allocator.holds(request_id):
             return
-        table = torch.tensor(self.pool.allocator.page_table(request_id), dtype=torch.int32,
-                             device=self.model.device)
-        buffer = kv.to(self.model.device, non_blocking=True)
-        self.model.ops.unpack_kv(buffer, self.pool.k[layer], self.pool.v[layer], table, token_start)
+        try:
+            table = torch.tensor(self.pool.allocator.page_table(request_id), dtype=torch.int32,
+                                 device=self.model.device)
+            buffer = kv.to(self.model.device, non_blocking=True)
+            self.model.ops.unpack_kv(buffer, self.pool.k[layer], self.pool.v[layer], table,
+                                     token_start)
+        except Exception as exc:  # fail closed: this request must never decode over these pages
+            self._write_failed.add(request_id)
+            self.log.exception("kv_write_failed", request_id=request_id, layer=layer,
+                               error=str(exc))
 
     def _on_begin(self, seq: Sequence) -> None:
         if not self.pool.allocator.holds(seq.request_id):
             return  # released while its handoff was in flight
+        if seq.request_id in self._write_failed:
+            self._write_failed.discard(seq.request_id)
+            self._fail(seq, ServiceError(grpc.StatusCode.INTERNAL, "KV_WRITE_FAILED",
+                                         "decode could not write the received KV into its pages"))
+            return
         seq.pages = self.pool.allocator.page_table(seq.request_id)
         self.pool.allocator.mark_written(seq.request_id, seq.prompt_len)
         seq.emit(TokenEvent(seq.tokens[-1], 0))
@@ -139,6 +151,7 @@ class DecodeEngine:
             self._running[seq.request_id] = seq
 
     def _on_release(self, request_id: str) -> None:
+        self._write_failed.discard(request_id)
         self._running.pop(request_id, None)
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
         self.pool.release(request_id)

@@ -9,6 +9,7 @@ not copied; any other frame goes through protobuf, in a worker thread when it is
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -20,6 +21,11 @@ from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 from common.server.grpc_server import TlsFiles
 
 FRAME_OVERHEAD_BYTES = 64 << 10
+# round_robin over every address of the target, skipping replicas whose grpc.health.v1 Watch
+# says NOT_SERVING (warming up, or draining after SIGTERM) while they finish their own work.
+SERVICE_CONFIG = json.dumps({
+    "loadBalancingConfig": [{"round_robin": {}}],
+    "healthCheckConfig": {"serviceName": "kvhandoff.v1.HandoffService"}})
 PREFILL_METHOD = "/kvhandoff.v1.HandoffService/Prefill"
 # A frame the fast path does not take and that is at least this large is parsed off the loop.
 LARGE_FRAME_BYTES = 64 << 10
@@ -63,8 +69,10 @@ class PrefillClient:
     def __init__(self, target: str, max_chunk_bytes: int, tls: TlsFiles | None) -> None:
         options = [
             ("grpc.max_receive_message_length", max_chunk_bytes + FRAME_OVERHEAD_BYTES),
-            ("grpc.lb_policy_name", "round_robin"),
+            ("grpc.service_config", SERVICE_CONFIG),
             ("grpc.enable_retries", 0),
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 5000),
             ("grpc.http2.max_frame_size", (1 << 24) - 1),
         ]
         self.target = target

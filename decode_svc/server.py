@@ -19,6 +19,7 @@ from common.server.grpc_server import (TlsFiles, create_server, run_async, serve
 from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
 from decode_svc.engine import DecodeEngine
+from decode_svc.local_prefill import LocalPrefillEngine, agree_locally
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.servicer import DecodeState, GenerationServicer
 from decode_svc.validation import DecodeLimits
@@ -109,7 +110,8 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     runtime = build_runtime(svc, log)
     refusals: dict[str, int] = {}
     counters: dict[str, int] = {}
-    engine = DecodeEngine(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
+    engine_class = LocalPrefillEngine if config.local_prefill else DecodeEngine
+    engine = engine_class(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
                           log, counters)
     peer_tls = TlsFiles(svc.tls_cert, svc.tls_key, svc.tls_ca) if svc.tls_cert else None
     client = PrefillClient(config.prefill_target, config.max_chunk_bytes, peer_tls)
@@ -149,7 +151,9 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     metrics_port = metrics.serve_http(svc.host, svc.metrics_port) if svc.metrics_port >= 0 else -1
     warm_up(runtime)
     engine.start()
-    task = asyncio.ensure_future(handshake(config, runtime, client, state, health, log))
+    task = asyncio.ensure_future(
+        agree_locally(config, runtime, state, health, SERVICE_NAMES, log) if config.local_prefill
+        else handshake(config, runtime, client, state, health, log))
     log.info("listening", role="decode", address=f"{svc.host}:{port}", metrics_port=metrics_port,
              prefill=config.prefill_target)
     return RunningDecode(server, port, health, engine, client, task, metrics_port, log)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ import torch
 from common.handoff.codec import chunk_wire, commit_frame, frame_wire
 from common.handoff.layout import KvLayout
 from common.kvpool.kv_cache import KvPool
+from common.metrics import NullMetrics
 from common.model.llama import LlamaModel, PrefillBatch
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig, sample_batch
@@ -37,6 +39,7 @@ class PrefillJob:
     emit: Callable[[bytes | None], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
     chunks_sent: int = 0
+    submitted: float = field(default_factory=time.monotonic)
 
 
 class _BatchCancelled(Exception):
@@ -45,8 +48,9 @@ class _BatchCancelled(Exception):
 
 class PrefillEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, layout: KvLayout, max_batch_tokens: int,
-                 log, counters: dict[str, int]) -> None:
+                 log, counters: dict[str, int], metrics=None) -> None:
         self.model = model
+        self.metrics = metrics if metrics is not None else NullMetrics()
         self.pool = pool
         self.layout = layout
         self.max_batch_tokens = max_batch_tokens
@@ -80,9 +84,12 @@ class PrefillEngine:
                 continue  # drain the inbox before forming a batch
             except queue.Empty:
                 pass
-            batch = self._take_batch()
-            if batch:
-                self._run_batch(batch)
+            try:
+                batch = self._take_batch()
+                if batch:
+                    self._run_batch(batch)
+            except Exception as exc:  # keep the engine alive; _run_batch already freed pages
+                self.log.exception("prefill_engine_error", error=str(exc))
 
     def _take_batch(self) -> list[PrefillJob]:
         batch: list[PrefillJob] = []
@@ -100,13 +107,17 @@ class PrefillEngine:
                 break
             self._waiting.popleft()
             self.pool.allocator.allocate(job.request_id, n)
+            self.metrics.queued(time.monotonic() - job.submitted)
             batch.append(job)
             tokens += n
         return batch
 
     def _run_batch(self, batch: list[PrefillJob]) -> None:
         try:
+            started = time.monotonic()
             logits = self._forward(batch)
+            self.metrics.prefill(time.monotonic() - started,
+                                 sum(len(j.token_ids) for j in batch), len(batch))
             self.counters["forward_passes"] = self.counters.get("forward_passes", 0) + 1
             firsts = sample_batch(logits, [j.sampling for j in batch], [0] * len(batch))
             for job, first in zip(batch, firsts):
@@ -115,6 +126,9 @@ class PrefillEngine:
                                                      job.chunks_sent, first)))
                     done = self.counters.get("handoffs_completed", 0)
                     self.counters["handoffs_completed"] = done + 1
+                    self.metrics.handoff(time.monotonic() - job.submitted, 2 * len(job.token_ids)
+                                         * self.layout.num_layers
+                                         * self.layout.bytes_per_token_per_layer)
         except _BatchCancelled:
             self.log.info("prefill_cancelled", request_ids=[j.request_id for j in batch])
         except Exception as exc:  # the stream must end with ABORTED, never with partial silence
@@ -127,7 +141,11 @@ class PrefillEngine:
         finally:
             for job in batch:
                 self.pool.release(job.request_id)
-                job.emit(None)
+                try:
+                    job.emit(None)
+                except Exception as exc:  # an emit that fails must not keep other jobs' pages
+                    self.log.exception("prefill_emit_failed", request_id=job.request_id,
+                                       error=str(exc))
 
     def _forward(self, batch: list[PrefillJob]) -> torch.Tensor:
         device = self.model.device
@@ -136,6 +154,8 @@ class PrefillEngine:
         for job in batch:
             n = len(job.token_ids)
             pages = self.pool.allocator.page_table(job.request_id)
+            if self.pool.config.check_owners:
+                self.pool.allocator.check_write(job.request_id, pages, n - 1)
             tables.append(torch.tensor(pages, dtype=torch.int32, device=device))
             ids += job.token_ids
             positions += range(n)

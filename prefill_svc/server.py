@@ -11,13 +11,13 @@ from common.config import PrefillConfig
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.log import make_logger
 from common.metrics import ServiceMetrics
-from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc, stats_pb2, stats_pb2_grpc
+from common.pb.kvhandoff.v1 import handoff_pb2, stats_pb2, stats_pb2_grpc
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
 from common.server.runtime import build_runtime, warm_up
 from common.server.stats import StatsServicer
 from prefill_svc.engine import PrefillEngine
-from prefill_svc.servicer import HandoffServicer
+from prefill_svc.servicer import HandoffServicer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
 SERVICE_NAMES = [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name,
@@ -31,6 +31,7 @@ class RunningPrefill:
     health: object
     engine: PrefillEngine
     metrics_port: int
+    log: object
 
 
 async def start_prefill(config: PrefillConfig) -> RunningPrefill:
@@ -39,20 +40,24 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     runtime = build_runtime(svc, log)
     refusals: dict[str, int] = {}
     counters: dict[str, int] = {}
+    allocator = runtime.pool.allocator
+    metrics = ServiceMetrics("prefill", lambda: allocator.num_pages,
+                             lambda: allocator.snapshot().pages_free, lambda: 0,
+                             lambda: engine.waiting_count(), counters=counters)
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
-                           log, counters)
+                           log, counters, metrics)
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,
         pool_tokens=runtime.capacity.pool_tokens, model_fingerprint=runtime.loaded.fingerprint,
         min_chunk_bytes=2 * runtime.layout.bytes_per_token_per_layer)
-    allocator = runtime.pool.allocator
     stats = StatsServicer("prefill", allocator, runtime.capacity,
                           lambda: runtime.capacity.max_prompt_tokens, refusals, counters,
                           lambda: 0, engine.waiting_count)
-    handoff = HandoffServicer(engine, runtime.layout, runtime.capacity, limits, refusals, log)
+    handoff = HandoffServicer(engine, runtime.layout, runtime.capacity, limits, refusals, log,
+                              metrics)
 
     def register(server: grpc.aio.Server) -> list[str]:
-        handoff_pb2_grpc.add_HandoffServiceServicer_to_server(handoff, server)
+        add_handoff_service(handoff, server)
         stats_pb2_grpc.add_StatsServiceServicer_to_server(stats, server)
         return SERVICE_NAMES
 
@@ -62,15 +67,12 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
                     "non-loopback address; configure --tls-cert/--tls-key/--tls-ca")
     server, port, health = await create_server(register, svc.host, svc.port, tls,
                                                DEFAULT_MAX_CHUNK_BYTES + (1 << 20))
-    metrics = ServiceMetrics("prefill", lambda: allocator.num_pages,
-                             lambda: allocator.snapshot().pages_free, lambda: 0,
-                             engine.waiting_count)
     metrics_port = metrics.serve_http(svc.host, svc.metrics_port) if svc.metrics_port >= 0 else -1
     warm_up(runtime)
     engine.start()
     await set_serving(health, SERVICE_NAMES, True)
     log.info("serving", role="prefill", address=f"{svc.host}:{port}", metrics_port=metrics_port)
-    return RunningPrefill(server, port, health, engine, metrics_port)
+    return RunningPrefill(server, port, health, engine, metrics_port, log)
 
 
 def serve(config: PrefillConfig, port_file: Path | None = None) -> None:
@@ -83,6 +85,6 @@ def serve(config: PrefillConfig, port_file: Path | None = None) -> None:
             running.engine.stop()
 
         await serve_until_signalled(running.server, running.health, SERVICE_NAMES,
-                                    config.service.grace_seconds, on_stop)
+                                    config.service.grace_seconds, on_stop, log=running.log)
 
     run_async(main)

@@ -16,6 +16,7 @@ from common.capacity import Capacity
 from common.errors import ServiceError, abort_with
 from common.handoff.codec import frame_wire, header_frame
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
+from common.metrics import NullMetrics
 from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 from common.sampling import SamplingConfig
 from prefill_svc.engine import PrefillEngine, PrefillJob
@@ -24,13 +25,14 @@ from prefill_svc.validation import PrefillLimits, validate_prefill
 
 class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
     def __init__(self, engine: PrefillEngine, layout: KvLayout, capacity: Capacity,
-                 limits: PrefillLimits, refusals: dict[str, int], log) -> None:
+                 limits: PrefillLimits, refusals: dict[str, int], log, metrics=None) -> None:
         self.engine = engine
         self.layout = layout
         self.capacity = capacity
         self.limits = limits
         self.refusals = refusals
         self.log = log
+        self.metrics = metrics if metrics is not None else NullMetrics()
         # True once registered by add_handoff_service: gRPC then sends the bytes as they are.
         # Under the generated registration each frame is parsed back first (slow, but correct).
         self.wire_frames = False
@@ -52,6 +54,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         if rejection is not None:
             self.refusals[rejection.reason_code] = self.refusals.get(rejection.reason_code, 0) + 1
             log.warning("prefill_rejected", reason=rejection.reason_code, message=rejection.message)
+            self.metrics.refused(rejection.reason_code)
             yield self._out(frame_wire(header_frame(
                 request.request_id, len(request.token_ids), handoff_pb2.HANDOFF_STATUS_REJECTED,
                 None, fingerprint, rejection.message, rejection.reason_code)))
