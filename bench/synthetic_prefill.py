@@ -25,7 +25,7 @@ from common.log import make_logger
 from common.model.llama import PrefillBatch
 from common.ops.torch_ops import TorchOps
 from common.pb.kvhandoff.v1 import handoff_pb2
-from common.server.grpc_server import create_server
+from common.server.grpc_server import create_server, set_serving
 from prefill_svc.engine import PrefillEngine
 from prefill_svc.servicer import HandoffServicer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
@@ -89,13 +89,16 @@ async def _serve(spec: SyntheticSpec, conn) -> None:
                            min_chunk_bytes=2 * spec.layout.bytes_per_token_per_layer)
     servicer = HandoffServicer(engine, spec.layout, capacity, limits, {}, log)
 
+    names = [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name]
+
     def register(server) -> list[str]:
         add_handoff_service(servicer, server)
-        return [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name]
+        return names
 
-    server, port, _ = await create_server(register, "127.0.0.1", 0, None,
-                                          DEFAULT_MAX_CHUNK_BYTES + (1 << 20))
+    server, port, health = await create_server(register, "127.0.0.1", 0, None,
+                                               DEFAULT_MAX_CHUNK_BYTES + (1 << 20))
     engine.start()
+    await set_serving(health, names, True)  # decode's round_robin skips unhealthy replicas
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_socket_sender, args=(listener,), daemon=True).start()
     conn.send((port, listener.getsockname()[1]))
