@@ -47,7 +47,9 @@ class ServiceMetrics:
 
     def __init__(self, role: str, pages_total: Callable[[], int], pages_free: Callable[[], int],
                  running: Callable[[], int], waiting: Callable[[], int], *,
-                 counters: Mapping[str, int] | None = None) -> None:
+                 counters: Mapping[str, int] | None = None,
+                 limits: Mapping[str, Callable[[], int]] | None = None) -> None:
+        """limits: gauges named kvhandoff_<key> (e.g. max_prompt_tokens, pool_tokens)."""
         self.role = role
         self.registry = r = CollectorRegistry()
 
@@ -89,6 +91,9 @@ class ServiceMetrics:
                                            "prefilled", ["role"], registry=r).labels(role)
         if counters is not None:
             r.register(_CountersCollector(role, counters))
+        for key, fn in (limits or {}).items():
+            Gauge(f"kvhandoff_{key}", f"Effective limit: {key.replace('_', ' ')}", ["role"],
+                  registry=r).labels(role).set_function(fn)
 
     def refused(self, reason: str) -> None:
         self._refused.labels(role=self.role, reason=reason).inc()
@@ -138,3 +143,10 @@ class NullMetrics:
 
     def prefill(self, seconds: float, tokens: int, requests: int = 1) -> None:
         pass
+
+
+def capacity_gauges(capacity, max_prompt_tokens: Callable[[], int]) -> dict[str, Callable[[], int]]:
+    """The limits a service enforces, as gauges: pool size, context window, prompt limit."""
+    return {"pool_tokens": lambda: capacity.pool_tokens,
+            "context_window_tokens": lambda: capacity.context_window,
+            "max_prompt_tokens": max_prompt_tokens}

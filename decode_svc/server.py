@@ -11,7 +11,7 @@ import grpc
 
 from common.config import DecodeConfig
 from common.log import make_logger
-from common.metrics import ServiceMetrics
+from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, stats_pb2_grpc
 from common.server.auth import BearerTokenInterceptor
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
@@ -119,7 +119,10 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("decode", lambda: allocator.num_pages,
                              lambda: allocator.snapshot().pages_free, engine.running_count,
-                             engine.waiting_count, counters=counters)
+                             engine.waiting_count, counters=counters,
+                             limits=capacity_gauges(
+                                 runtime.capacity,
+                                 lambda: state.limits.prefill_max_prompt if state.limits else 0))
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
         runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,

@@ -10,7 +10,7 @@ import grpc
 from common.config import PrefillConfig
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.log import make_logger
-from common.metrics import ServiceMetrics
+from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import handoff_pb2, stats_pb2, stats_pb2_grpc
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
@@ -43,7 +43,9 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("prefill", lambda: allocator.num_pages,
                              lambda: allocator.snapshot().pages_free, lambda: 0,
-                             lambda: engine.waiting_count(), counters=counters)
+                             lambda: engine.waiting_count(), counters=counters,
+                             limits=capacity_gauges(runtime.capacity,
+                                                    lambda: runtime.capacity.max_prompt_tokens))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
                            log, counters, metrics)
     limits = PrefillLimits(

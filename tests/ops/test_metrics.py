@@ -105,3 +105,15 @@ def test_engine_counters_are_exported(ops_cluster):
         exported = value(samples, "kvhandoff_engine_events_total", role=service.role,
                          event=event)
         assert exported > 0 and exported <= stats[event], (service.role, exported, stats)
+
+
+def test_effective_limits_are_exported(ops_cluster):
+    """The limits each service enforces match what its StatsService reports."""
+    for service in (ops_cluster.prefill, ops_cluster.decode):
+        samples = scrape(metrics_port(service))
+        pool = service.stats().pool
+        assert value(samples, "kvhandoff_pool_tokens", role=service.role) == pool.tokens_total
+        assert value(samples, "kvhandoff_context_window_tokens",
+                     role=service.role) == pool.max_context_tokens
+        assert value(samples, "kvhandoff_max_prompt_tokens",
+                     role=service.role) == pool.max_prompt_tokens > 0
