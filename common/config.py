@@ -53,6 +53,7 @@ class ServiceConfig:
 class PrefillConfig:
     service: ServiceConfig
     max_batch_tokens: int = 8192
+    max_unsent_bytes: int = 512 << 20
 
 
 @dataclass(frozen=True)

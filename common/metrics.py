@@ -144,6 +144,12 @@ class NullMetrics:
     def prefill(self, seconds: float, tokens: int, requests: int = 1) -> None:
         pass
 
+    def token(self, gap: float, first: bool) -> None:
+        pass
+
+    def finished(self, seconds: float) -> None:
+        pass
+
 
 def capacity_gauges(capacity, max_prompt_tokens: Callable[[], int]) -> dict[str, Callable[[], int]]:
     """The limits a service enforces, as gauges: pool size, context window, prompt limit."""

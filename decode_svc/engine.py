@@ -34,6 +34,9 @@ class _Reservation:
     done: Callable[[list[int] | ServiceError], None]
 
 
+COMMANDS_PER_STEP = 64
+
+
 class DecodeEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, max_batch: int, max_waiting: int,
                  log, counters: dict[str, int]) -> None:
@@ -82,19 +85,28 @@ class DecodeEngine:
 
     # ---- the engine thread ----
     def _run(self) -> None:
+        """Alternates: up to COMMANDS_PER_STEP queued commands, then one step of the running
+        batch, so a long handoff's writes never freeze the sequences already generating."""
         while True:
-            block = not self._running
-            try:
-                command = self._inbox.get(block=block)
-            except queue.Empty:
-                self._step_or_fail()
-                continue
-            if command[0] == "stop":
-                return
-            try:
-                getattr(self, f"_on_{command[0]}")(*command[1:])
-            except Exception as exc:  # keep the engine alive; fail only the request concerned
-                self.log.exception("engine_command_failed", command=command[0], error=str(exc))
+            handled = 0
+            while handled < COMMANDS_PER_STEP:
+                try:
+                    command = self._inbox.get(block=not self._running and handled == 0)
+                except queue.Empty:
+                    break
+                if command[0] == "stop":
+                    return
+                handled += 1
+                try:
+                    getattr(self, f"_on_{command[0]}")(*command[1:])
+                except Exception as exc:  # keep the engine alive; fail only that request
+                    self.log.exception("engine_command_failed", command=command[0],
+                                       error=str(exc))
+            if self._running:
+                try:
+                    self._step_or_fail()
+                except Exception as exc:  # even a failing failure path must not kill the thread
+                    self.log.exception("decode_engine_error", error=str(exc))
 
     def _on_reserve(self, res: _Reservation) -> None:
         if not self._waiting and self.pool.allocator.can_allocate(res.num_tokens):
@@ -137,8 +149,10 @@ class DecodeEngine:
                                error=str(exc))
 
     def _on_begin(self, seq: Sequence) -> None:
-        if not self.pool.allocator.holds(seq.request_id):
-            return  # released while its handoff was in flight
+        if not self.pool.allocator.holds(seq.request_id):  # released while in flight
+            seq.emit(FailedEvent(ServiceError(grpc.StatusCode.INTERNAL, "RESERVATION_LOST",
+                                              "the request's KV pages were released")))
+            return
         if seq.request_id in self._write_failed:
             self._write_failed.discard(seq.request_id)
             self._fail(seq, ServiceError(grpc.StatusCode.INTERNAL, "KV_WRITE_FAILED",
@@ -182,6 +196,9 @@ class DecodeEngine:
             return
         try:
             self._step(batch)
+            for seq in batch:  # round robin when more sequences run than max_batch
+                if seq.request_id in self._running:
+                    self._running[seq.request_id] = self._running.pop(seq.request_id)
         except Exception as exc:
             self.log.exception("decode_step_failed", error=str(exc),
                                request_ids=[s.request_id for s in batch])

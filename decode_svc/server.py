@@ -87,6 +87,12 @@ async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClien
                 log.error("prefill_mismatch", target=client.target, message=refusal)
                 await set_serving(health, SERVICE_NAMES, False)
             state.refusing = refusal
+        elif state.refusing:
+            log.info("prefill_agreed_again", target=client.target,
+                     message="prefill now agrees on model and layout; serving again")
+            state.refusing = ""
+            state.limits = limits
+            await set_serving(health, SERVICE_NAMES, True)
         elif limits != state.limits:
             if state.limits is None:
                 log.info("prefill_agreed", target=client.target,

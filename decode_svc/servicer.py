@@ -122,7 +122,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             await abort_with(context, err)
         except ServiceError as err:
             log.warning("request_failed", reason=err.reason, message=err.message)
+            self.metrics.refused(err.reason)
             await abort_with(context, err)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # never UNKNOWN without details: INTERNAL with ErrorInfo
+            log.exception("request_crashed", error=str(exc))
+            await abort_with(context, ServiceError(grpc.StatusCode.INTERNAL, "INTERNAL",
+                                                   f"decode failed: {exc}"))
         finally:
             self.engine.release(request_id)
 

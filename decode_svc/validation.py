@@ -3,6 +3,7 @@ page is reserved."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import grpc
@@ -75,7 +76,7 @@ def validate_generate(ids: list[int], request: generate_pb2.GenerateRequest,
                            f"the request needs {prompt.reserve_tokens} KV slots but the decode "
                            f"pool holds only {limits.own_pool_tokens} tokens even when empty")
     s = request.sampling
-    if s.temperature < 0 or not 0 <= s.top_p <= 1:
+    if not (math.isfinite(s.temperature) and s.temperature >= 0) or not 0 <= s.top_p <= 1:
         raise ServiceError(C.INVALID_ARGUMENT, "BAD_SAMPLING",
                            f"temperature must be >= 0 and top_p in [0, 1]; got "
                            f"{s.temperature}, {s.top_p}")

@@ -25,6 +25,7 @@ from common.metrics import NullMetrics
 from common.model.llama import LlamaModel, PrefillBatch
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig, sample_batch
+from prefill_svc.send_budget import JobBytes, SendBudget
 
 
 @dataclass
@@ -40,6 +41,10 @@ class PrefillJob:
     cancelled: threading.Event = field(default_factory=threading.Event)
     chunks_sent: int = 0
     submitted: float = field(default_factory=time.monotonic)
+    unsent: JobBytes = field(default_factory=JobBytes)
+
+
+DEFAULT_UNSENT_BYTES = 512 << 20
 
 
 class _BatchCancelled(Exception):
@@ -48,8 +53,10 @@ class _BatchCancelled(Exception):
 
 class PrefillEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, layout: KvLayout, max_batch_tokens: int,
-                 log, counters: dict[str, int], metrics=None) -> None:
+                 log, counters: dict[str, int], metrics=None,
+                 send_budget: SendBudget | None = None) -> None:
         self.model = model
+        self.send_budget = send_budget or SendBudget(DEFAULT_UNSENT_BYTES)
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.pool = pool
         self.layout = layout
@@ -106,7 +113,16 @@ class PrefillEngine:
             if not self.pool.allocator.can_allocate(n):
                 break
             self._waiting.popleft()
-            self.pool.allocator.allocate(job.request_id, n)
+            try:
+                self.pool.allocator.allocate(job.request_id, n)
+            except Exception as exc:  # e.g. a request id already in flight: abort this one only
+                self.log.exception("prefill_allocate_failed", request_id=job.request_id,
+                                   error=str(exc))
+                job.emit(frame_wire(commit_frame(job.request_id, n, 0, 0,
+                                                 handoff_pb2.HANDOFF_STATUS_ABORTED,
+                                                 f"could not reserve KV pages: {exc}")))
+                job.emit(None)
+                continue
             self.metrics.queued(time.monotonic() - job.submitted)
             batch.append(job)
             tokens += n
@@ -183,5 +199,8 @@ class PrefillEngine:
         for start in range(0, n, job.chunk_tokens):
             count = min(job.chunk_tokens, n - start)
             kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
-            job.emit(chunk_wire(job.request_id, job.chunks_sent, layer, start, kv))
+            frame = chunk_wire(job.request_id, job.chunks_sent, layer, start, kv)
+            if not self.send_budget.acquire(job.unsent, len(frame), job.cancelled):
+                return  # the stream is gone; the next layer boundary drops the job
+            job.emit(frame)
             job.chunks_sent += 1

@@ -17,6 +17,7 @@ from common.server.grpc_server import (TlsFiles, create_server, run_async, serve
 from common.server.runtime import build_runtime, warm_up
 from common.server.stats import StatsServicer
 from prefill_svc.engine import PrefillEngine
+from prefill_svc.send_budget import SendBudget
 from prefill_svc.servicer import HandoffServicer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
@@ -47,7 +48,7 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
                              limits=capacity_gauges(runtime.capacity,
                                                     lambda: runtime.capacity.max_prompt_tokens))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
-                           log, counters, metrics)
+                           log, counters, metrics, SendBudget(config.max_unsent_bytes))
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,
         pool_tokens=runtime.capacity.pool_tokens, model_fingerprint=runtime.loaded.fingerprint,

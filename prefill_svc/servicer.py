@@ -77,10 +77,12 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         try:
             while (frame := await frames.get()) is not None:
                 yield self._out(frame)
+                self.engine.send_budget.release(job.unsent, len(frame))
             log.info("prefill_streamed", chunks=job.chunks_sent)
         finally:
             if not job.cancelled.is_set():
                 job.cancelled.set()  # no-op once the engine is done; stops work when decode left
+            self.engine.send_budget.close(job.unsent)  # frames never sent return their bytes
 
 
 class _HandlerCapture:

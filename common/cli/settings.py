@@ -55,6 +55,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "port": (0, 65535), "metrics_port": (-1, 65535), "page_size": (1, None),
     "pool_tokens": (0, None), "memory_fraction": (0, 1), "kv_cache_bytes": (0, None),
     "max_context_tokens": (0, None), "grace_seconds": (0, None), "max_batch_tokens": (1, None),
+    "max_unsent_bytes": (1, None),
     "max_batch": (1, None), "max_waiting": (0, None), "default_max_tokens": (1, None),
     "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),
     "prefill_info_interval_s": (0.01, None),

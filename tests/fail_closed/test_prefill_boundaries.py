@@ -137,3 +137,4 @@ def test_a_partly_used_pool_queues_what_fits_and_still_rejects_what_never_fits(p
     assert [f.WhichOneof("frame") for f in over_frames] == ["header"]
     pool_stats = prefill.stats().pool
     assert pool_stats.pages_free == pool_stats.pages_total
+
