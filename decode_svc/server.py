@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from common.config import DecodeConfig
+from common.handoff.layout import describe_layout
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, stats_pb2_grpc
@@ -46,8 +47,8 @@ def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits |
     mine = runtime.loaded.fingerprint
     if info.model_fingerprint != mine or not runtime.layout.matches(info.layout):
         return None, (f"prefill serves model {info.model_fingerprint} with layout "
-                      f"{_layout_text(info.layout)}; this decode serves {mine} with "
-                      f"{_layout_text(runtime.layout.to_proto())}; refusing all requests")
+                      f"{describe_layout(info.layout)}; this decode serves {mine} with "
+                      f"{describe_layout(runtime.layout.to_proto())}; refusing all requests")
     capacity = runtime.capacity
     limits = DecodeLimits(
         vocab_size=runtime.loaded.config.vocab_size,
@@ -60,11 +61,6 @@ def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits |
             limits, context_window=min(limits.context_window, current.context_window),
             prefill_max_prompt=min(limits.prefill_max_prompt, current.prefill_max_prompt))
     return limits, ""
-
-
-def _layout_text(layout) -> str:
-    return (f"(layers={layout.num_layers}, kv_heads={layout.num_kv_heads}, "
-            f"head_dim={layout.head_dim}, dtype={layout.dtype})")
 
 
 async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClient,
@@ -158,7 +154,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     server, port, health = await create_server(register, svc.host, svc.port, api_tls, 4 << 20,
                                                interceptors)
     metrics_port = metrics.serve_http(svc.host, svc.metrics_port) if svc.metrics_port >= 0 else -1
-    warm_up(runtime)
+    await asyncio.to_thread(warm_up, runtime)  # health keeps answering meanwhile
     engine.start()
     task = asyncio.ensure_future(
         agree_locally(config, runtime, state, health, SERVICE_NAMES, log) if config.local_prefill

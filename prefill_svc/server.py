@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +72,7 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     server, port, health = await create_server(register, svc.host, svc.port, tls,
                                                DEFAULT_MAX_CHUNK_BYTES + (1 << 20))
     metrics_port = metrics.serve_http(svc.host, svc.metrics_port) if svc.metrics_port >= 0 else -1
-    warm_up(runtime)
+    await asyncio.to_thread(warm_up, runtime)  # health keeps answering meanwhile
     engine.start()
     await set_serving(health, SERVICE_NAMES, True)
     log.info("serving", role="prefill", address=f"{svc.host}:{port}", metrics_port=metrics_port)

@@ -61,3 +61,9 @@ class KvLayout:
 
 def protocol_version() -> common_pb2.ProtocolVersion:
     return common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR)
+
+
+def describe_layout(layout: common_pb2.KvLayout) -> str:
+    """A wire layout as people read it in refusal messages and logs."""
+    return (f"(layers={layout.num_layers}, kv_heads={layout.num_kv_heads}, "
+            f"head_dim={layout.head_dim}, dtype={layout.dtype})")

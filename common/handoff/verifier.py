@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import google_crc32c
 
-from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, PROTOCOL_MAJOR, KvLayout
+from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, PROTOCOL_MAJOR, KvLayout, describe_layout
 from common.handoff.reasons import REJECTION_CODES, HandoffRefused, refuse
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -121,8 +121,8 @@ class HandoffVerifier:
                              f"this decode's {self.expect.model_fingerprint!r}")
         if not self.expect.layout.matches(header.layout):
             raise self._fail("LAYOUT_MISMATCH", f"prefill KV layout "
-                             f"{_layout_text(header.layout)} is not this decode's "
-                             f"{_layout_text(self.expect.layout.to_proto())}")
+                             f"{describe_layout(header.layout)} is not this decode's "
+                             f"{describe_layout(self.expect.layout.to_proto())}")
         self.state = HandoffState.RECEIVING
 
     def _on_chunk(self, chunk: handoff_pb2.KvChunk) -> VerifiedChunk:
@@ -189,7 +189,3 @@ class HandoffVerifier:
         assert self.first_token_id is not None
         return self.first_token_id
 
-
-def _layout_text(layout) -> str:
-    return (f"(layers={layout.num_layers}, kv_heads={layout.num_kv_heads}, "
-            f"head_dim={layout.head_dim}, dtype={layout.dtype})")

@@ -12,6 +12,8 @@ import hmac
 
 import grpc
 
+from common.errors import ServiceError, abort_with
+
 OPEN_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 DENIED = "missing or wrong bearer token in the authorization metadata"
 
@@ -24,7 +26,8 @@ def _denying(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
     serialize = handler.response_serializer if handler else None
     if response_streaming:
         async def deny_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+            await abort_with(context, ServiceError(
+                grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", DENIED))
             yield  # pragma: no cover - makes this an async generator
 
         make = (grpc.stream_stream_rpc_method_handler if request_streaming
@@ -32,7 +35,8 @@ def _denying(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
         return make(deny_stream, request_deserializer=deserialize, response_serializer=serialize)
 
     async def deny(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+        await abort_with(context, ServiceError(
+            grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED", DENIED))
 
     make = (grpc.stream_unary_rpc_method_handler if request_streaming
             else grpc.unary_unary_rpc_method_handler)
