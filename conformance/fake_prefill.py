@@ -104,7 +104,9 @@ class FakePrefill:
         self.exchanges.append(exchange)
         script = self.script
         try:
-            received = await read_handoff(self._channel, request, REFERENCE_TIMEOUT)
+            remaining = context.time_remaining()  # pass decode's deadline on to the reference
+            timeout = REFERENCE_TIMEOUT if remaining is None else min(remaining, REFERENCE_TIMEOUT)
+            received = await read_handoff(self._channel, request, timeout)
             try:
                 ref = Handoff.from_frames(received.frames)
                 steps = script(ScriptInput(request, ref, self.info.vocab_size))

@@ -55,10 +55,6 @@ class PageAllocator:
         with self._lock:
             return self.pages_needed(num_tokens) <= len(self._free)
 
-    def can_ever_allocate(self, num_tokens: int) -> bool:
-        """True when an empty pool could hold num_tokens."""
-        return self.pages_needed(num_tokens) <= self.num_pages
-
     def allocate(self, owner: str, num_tokens: int) -> list[int]:
         """Reserves pages for num_tokens under a new owner; raises PoolExhausted if short.
         Nothing changes when it raises."""
