@@ -14,7 +14,6 @@ token, or a ServiceError), so no caller waits forever.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,6 +27,7 @@ from common.sampling import SamplingConfig, sample_batch
 from common.server.grpc_server import set_serving
 from common.server.runtime import Runtime
 from decode_svc.engine import DecodeEngine
+from decode_svc.engine_answer import engine_answer
 from decode_svc.validation import DecodeLimits
 
 if TYPE_CHECKING:
@@ -76,17 +76,8 @@ async def prefill_locally(engine: LocalPrefillEngine, request_id: str, token_ids
                           sampling: SamplingConfig) -> int:
     """Awaits the local prefill of a request that holds its reservation; returns the first
     token or raises the engine's ServiceError."""
-    loop = asyncio.get_running_loop()
-    answer: asyncio.Future = loop.create_future()
-
-    def done(result: int | ServiceError) -> None:
-        loop.call_soon_threadsafe(lambda: answer.done() or answer.set_result(result))
-
-    engine.prefill(request_id, token_ids, sampling, done)
-    result = await answer
-    if isinstance(result, ServiceError):
-        raise result
-    return result
+    return await engine_answer(
+        lambda done: engine.prefill(request_id, token_ids, sampling, done))
 
 
 def local_limits(config: DecodeConfig, runtime: Runtime) -> DecodeLimits:

@@ -22,6 +22,7 @@ from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, handoff_pb2
 from common.sampling import SamplingConfig
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from decode_svc.engine import DecodeEngine
+from decode_svc.engine_answer import engine_answer
 from decode_svc.handoff import receive_handoff
 from decode_svc.local_prefill import LocalPrefillEngine, prefill_locally
 from decode_svc.prefill_client import PrefillClient
@@ -134,16 +135,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             self.engine.release(request_id)
 
     async def _reserve(self, request_id: str, num_tokens: int) -> None:
-        loop = asyncio.get_running_loop()
-        reserved: asyncio.Future = loop.create_future()
-
-        def done(result) -> None:
-            loop.call_soon_threadsafe(lambda: reserved.done() or reserved.set_result(result))
-
-        self.engine.reserve(request_id, num_tokens, done)
-        result = await reserved
-        if isinstance(result, ServiceError):
-            raise result
+        await engine_answer(lambda done: self.engine.reserve(request_id, num_tokens, done))
 
     async def _stream(self, events: asyncio.Queue, request_id: str, prompt_len: int,
                       received: float):
