@@ -93,5 +93,6 @@ def plan_capacity(service: ServiceConfig, model: ModelConfig, dtype: torch.dtype
             f"the KV pool holds {capacity.pool_tokens} tokens but the context window is {window} "
             f"tokens: a prompt at the window could not be served. Raise --pool-tokens "
             f"(or --memory-fraction / --kv-cache-bytes), lower --max-context-tokens, or pass "
-            f"--allow-context-beyond-pool to serve prompts of at most {capacity.pool_tokens} tokens")
+            f"--allow-context-beyond-pool to serve prompts of at most {capacity.pool_tokens} "
+            f"tokens")
     return capacity

@@ -60,7 +60,8 @@ def sample_one(logits: torch.Tensor, config: SamplingConfig, index: int) -> int:
     return int(torch.argmax(probs / noise).item())
 
 
-def sample_batch(logits: torch.Tensor, configs: list[SamplingConfig], indices: list[int]) -> list[int]:
+def sample_batch(logits: torch.Tensor, configs: list[SamplingConfig],
+                 indices: list[int]) -> list[int]:
     """logits: [B, vocab] -> one token per row; greedy rows share one argmax."""
     greedy = torch.argmax(logits, dim=-1).tolist()
     return [greedy[row] if cfg.is_greedy else sample_one(logits[row], cfg, idx)

@@ -44,7 +44,8 @@ def prompt_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | Non
             raise ServiceError(C.INVALID_ARGUMENT, "NO_TOKENIZER",
                                "this model has no tokenizer.json; send token_ids instead of text")
         return tokenizer.encode(request.text)
-    raise ServiceError(C.INVALID_ARGUMENT, "EMPTY_PROMPT", "the request has neither text nor token_ids")
+    raise ServiceError(C.INVALID_ARGUMENT, "EMPTY_PROMPT",
+                       "the request has neither text nor token_ids")
 
 
 def validate_generate(ids: list[int], request: generate_pb2.GenerateRequest,

@@ -30,7 +30,8 @@ class PrefillLimits:
     min_chunk_bytes: int
 
 
-def validate_prefill(request: handoff_pb2.PrefillRequest, limits: PrefillLimits) -> Rejection | None:
+def validate_prefill(request: handoff_pb2.PrefillRequest,
+                     limits: PrefillLimits) -> Rejection | None:
     """Returns the first reason to refuse the request, or None when it may be computed."""
     if not request.request_id:
         return Rejection("MISSING_REQUEST_ID", "request_id is empty")

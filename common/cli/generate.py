@@ -13,7 +13,8 @@ import grpc
 from common.errors import error_reason
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 
-FINISH_NAMES = {generate_pb2.FINISH_REASON_STOP: "stop", generate_pb2.FINISH_REASON_LENGTH: "length"}
+FINISH_NAMES = {generate_pb2.FINISH_REASON_STOP: "stop",
+                generate_pb2.FINISH_REASON_LENGTH: "length"}
 
 
 def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import google_crc32c
 import numpy as np
 import torch
-from google.protobuf.message import DecodeError
 
 from common.handoff.layout import KvLayout, protocol_version
 from common.pb.kvhandoff.v1 import handoff_pb2

@@ -7,7 +7,8 @@ import functools
 import torch
 
 
-def _token_slots(page_table: torch.Tensor, page_size: int, token_start: int, num_tokens: int) -> torch.Tensor:
+def _token_slots(page_table: torch.Tensor, page_size: int, token_start: int,
+                 num_tokens: int) -> torch.Tensor:
     tokens = torch.arange(token_start, token_start + num_tokens, device=page_table.device)
     return page_table.long()[tokens // page_size] * page_size + tokens % page_size  # [n]
 

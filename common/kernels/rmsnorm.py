@@ -10,7 +10,8 @@ import torch
 def rmsnorm_reference(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x, residual: [T, H]; weight: [H]. Adds in x's dtype, normalizes in float32 (as transformers)."""
+    """x, residual: [T, H]; weight: [H]. Adds in x's dtype, normalizes in float32 (as
+    transformers does)."""
     if residual is not None:
         x = x + residual
         residual = x

@@ -7,8 +7,10 @@ import functools
 import torch
 
 
-def build_cos_sin(max_positions: int, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    """-> [max_positions, head_dim] float32: cos in the first head_dim/2 columns, sin in the rest."""
+def build_cos_sin(max_positions: int, head_dim: int, theta: float,
+                  device: torch.device) -> torch.Tensor:
+    """-> [max_positions, head_dim] float32: cos in the first head_dim/2 columns, sin in the
+    rest."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
     )

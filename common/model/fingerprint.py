@@ -21,7 +21,8 @@ def _config_digest(raw: dict) -> bytes:
 
 
 def fingerprint_checkpoint(root: Path) -> str:
-    """Hashes config.json (canonical) and the full bytes of each *.safetensors file in name order."""
+    """Hashes config.json (canonical) and the full bytes of each *.safetensors file, in name
+    order."""
     digest = hashlib.sha256(_config_digest(json.loads((root / "config.json").read_text())))
     for path in sorted(root.glob("*.safetensors")):
         digest.update(path.name.encode())

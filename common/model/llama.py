@@ -76,7 +76,8 @@ class LlamaModel:
         up = self._linear(x, f"{p}.up_proj")
         return self._linear(F.silu(gate) * up, f"{p}.down_proj")
 
-    def _layer(self, layer: int, x, residual, attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(self, layer: int, x, residual,
+               attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
         p = f"model.layers.{layer}"
         eps = self.config.rms_norm_eps
         if residual is None:  # first layer: the embeddings are the residual stream
@@ -109,7 +110,8 @@ class LlamaModel:
             self.ops.store_kv(k, v, k_cache[layer], v_cache[layer], batch.slot_mapping)
             if on_layer_stored is not None:
                 on_layer_stored(layer)
-            out = self.ops.prefill_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen, self.scale)
+            out = self.ops.prefill_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen,
+                                             self.scale)
             return out.reshape(out.shape[0], -1)
 
         x = F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])  # [T, H]
@@ -120,7 +122,8 @@ class LlamaModel:
         return self._logits(x[last], residual[last])
 
     @torch.inference_mode()
-    def decode(self, batch: DecodeBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def decode(self, batch: DecodeBatch, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor:
         """One step for every sequence; returns float32 logits [B, vocab]."""
 
         def attend(layer: int, h: torch.Tensor) -> torch.Tensor:

@@ -27,13 +27,15 @@ class LoadedModel:
 
 
 def load_model(spec: str) -> LoadedModel:
-    """spec is 'demo' or a checkpoint directory; raises UnsupportedModelError or FileNotFoundError."""
+    """spec is 'demo' or a checkpoint directory; raises UnsupportedModelError or
+    FileNotFoundError."""
     if spec == "demo":
         return build_demo_model()
     root = Path(spec)
     config_path = root / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{root}: no config.json; pass --model demo or a checkpoint directory")
+        raise FileNotFoundError(
+            f"{root}: no config.json; pass --model demo or a checkpoint directory")
     config = ModelConfig.from_hf_dict(json.loads(config_path.read_text()))
     files = sorted(root.glob("*.safetensors"))
     if not files:

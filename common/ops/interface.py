@@ -46,7 +46,8 @@ class KernelOps(Protocol):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """key, value: [T, Hkv, D] written to slots slot_mapping: [T] int64; a slot of -1 is skipped."""
+        """key, value: [T, Hkv, D] written to slots slot_mapping: [T] int64; a slot of -1 is
+        skipped."""
         ...
 
     def prefill_attention(
@@ -94,5 +95,6 @@ class KernelOps(Protocol):
         page_table: torch.Tensor,
         token_start: int,
     ) -> None:
-        """Scatter buffer [2, n, Hkv, D] into tokens [token_start, token_start + n) of the request."""
+        """Scatter buffer [2, n, Hkv, D] into tokens [token_start, token_start + n) of the
+        request."""
         ...

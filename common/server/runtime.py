@@ -44,7 +44,8 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
     model = LlamaModel(loaded.config, loaded.weights, ops, device, dtype)
     peak = 0
     if device.type == "cuda" and config.pool_tokens == 0 and config.memory_fraction > 0:
-        peak = measure_activation_peak(model, min(PROFILE_TOKENS, loaded.config.max_position_embeddings))
+        peak = measure_activation_peak(
+            model, min(PROFILE_TOKENS, loaded.config.max_position_embeddings))
     capacity = plan_capacity(config, loaded.config, dtype, device, peak)
     pool_config = PoolConfig(
         pool_tokens=capacity.pool_tokens, page_size=capacity.page_size,
@@ -100,7 +101,8 @@ def warm_up(runtime: Runtime) -> None:
         batch = PrefillBatch(
             token_ids=torch.zeros(1, dtype=torch.int64, device=device),
             positions=torch.zeros(1, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(pool.slots_for(pages, 0, 1), dtype=torch.int64, device=device),
+            slot_mapping=torch.tensor(pool.slots_for(pages, 0, 1), dtype=torch.int64,
+                                      device=device),
             cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen=1)
         runtime.model.prefill(batch, pool.k, pool.v)
     finally:

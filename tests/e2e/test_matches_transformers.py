@@ -22,7 +22,8 @@ def served(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param.name)
     path, hf_model = make_checkpoint(request.param, root)
     cluster = start_cluster(root / "run", str(path), common_flags=[
-        "--dtype", "float32", "--page-size", str(PAGE), "--pool-tokens", "2048", "--poison-freed-pages",
+        "--dtype", "float32", "--page-size", str(PAGE), "--pool-tokens", "2048",
+        "--poison-freed-pages",
         "--check-page-owners"])
     yield cluster, hf_model, request.param
     cluster.stop()

@@ -41,7 +41,8 @@ def test_triton_and_torch_services_agree(checkpoint, tmp_path):
     results = {}
     for kernels in ("torch", "triton"):
         cluster = start_cluster(tmp_path / kernels, str(checkpoint), common_flags=[
-            "--kernels", kernels, "--dtype", "float32", "--page-size", "16", "--pool-tokens", "1024",
+            "--kernels", kernels, "--dtype", "float32", "--page-size", "16",
+            "--pool-tokens", "1024",
             "--poison-freed-pages", "--check-page-owners"])
         try:
             results[kernels] = _outputs(cluster, prompts)

@@ -56,7 +56,8 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers' own greedy generation, stopping at eos like the service does."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
-                             do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+                             do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     new = out[0, len(prompt):].tolist()
     eos = model.config.eos_token_id
     if eos in new:

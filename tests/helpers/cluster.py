@@ -69,7 +69,8 @@ def start_service(role: str, workdir: Path, flags: list[str], env: dict | None =
     except Exception as err:
         proc.kill()
         proc.wait()
-        raise RuntimeError(f"{role} failed to start: {err}\n{log_path.read_text()[-3000:]}") from err
+        tail = log_path.read_text()[-3000:]
+        raise RuntimeError(f"{role} failed to start: {err}\n{tail}") from err
 
 
 @dataclass
@@ -101,7 +102,8 @@ class Cluster:
 def start_cluster(workdir: Path, model: str, prefill_flags: list[str] = (),
                   decode_flags: list[str] = (), common_flags: list[str] = (),
                   env: dict | None = None) -> Cluster:
-    prefill = start_service("prefill", workdir, ["--model", model, *common_flags, *prefill_flags], env)
+    prefill = start_service("prefill", workdir,
+                            ["--model", model, *common_flags, *prefill_flags], env)
     try:
         decode = start_service("decode", workdir, ["--model", model, "--prefill", prefill.address,
                                                    *common_flags, *decode_flags], env)

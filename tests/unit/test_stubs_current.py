@@ -10,8 +10,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_generated_stubs_are_current(tmp_path):
-    subprocess.run([sys.executable, str(REPO / "scripts" / "gen_protos.py"), "--out", str(tmp_path)],
-                   check=True, capture_output=True)
+    script = REPO / "scripts" / "gen_protos.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
     fresh = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*.py*")}
     committed_root = REPO / "common" / "pb"
     committed = {p.relative_to(committed_root): p.read_bytes()
