@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,14 +12,7 @@ import grpc
 from common.errors import error_reason
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers.cluster import Service
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout}s: {what}")
-        time.sleep(0.05)
+from tests.helpers.polling import wait_until
 
 
 def at_baseline(service: Service) -> bool:

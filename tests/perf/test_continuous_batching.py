@@ -13,7 +13,8 @@ import pytest
 from common.errors import error_reason
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers.cluster import generate, start_cluster
-from tests.perf.helpers import prompt, wait_until
+from tests.helpers.polling import wait_until
+from tests.perf.helpers import prompt
 
 pytestmark = pytest.mark.slow
 
