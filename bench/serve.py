@@ -15,7 +15,6 @@ sequence so that output lengths are the ones drawn.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 from bench.serve_client import LengthRange, make_requests, run_load, warm_up
 from bench.serve_report import print_table, summarize, write_plots
 from bench.servers import MODES, model_vocab_size, start_deployment
+from common.server.grpc_server import run_async
 
 
 def _floats(text: str) -> list[float]:
@@ -87,21 +87,14 @@ def _progress(label: str):
     return show
 
 
-def _run_loop(coro):
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
 
 def run_mode(mode: str, address: str, args, specs, warmups, loads, results, runs) -> None:
-    _run_loop(warm_up(address, warmups, args.request_timeout))
+    run_async(lambda: warm_up(address, warmups, args.request_timeout))
     for rate, concurrency in loads:
         load = _load_name(rate, concurrency)
-        got, duration = _run_loop(run_load(address, specs, rate, concurrency, args.seed,
-                                           args.request_timeout, _progress(f"{mode}, {load}")))
+        got, duration = run_async(lambda: run_load(
+            address, specs, rate, concurrency, args.seed, args.request_timeout,
+            _progress(f"{mode}, {load}")))
         summary = summarize(got, duration, args.slo_ttft_ms, args.slo_tpot_ms)
         results[(mode, load)] = got
         runs.append({"mode": mode, "load": load, "request_rate": None if math.isinf(rate)

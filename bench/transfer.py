@@ -37,6 +37,7 @@ from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.log import make_logger
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig
+from common.server.grpc_server import run_async
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import receive_handoff
 from decode_svc.prefill_client import PrefillClient
@@ -166,14 +167,6 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
-def _run_loop(coro):
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
 
 def print_table(layout: KvLayout, results: list[dict]) -> None:
     print(f"KV layout: {layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
@@ -220,8 +213,8 @@ def main(argv: list[str]) -> int:
         def progress(text: str) -> None:
             print(f"\r[transfer] {text}   ", end="", file=sys.stderr, flush=True)
 
-        results = _run_loop(measure(layout, sizes, args.repeats, grpc_port, socket_port,
-                                    progress))
+        results = run_async(lambda: measure(layout, sizes, args.repeats, grpc_port,
+                                            socket_port, progress))
         print(file=sys.stderr)
     finally:
         parent.send("stop")

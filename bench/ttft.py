@@ -14,7 +14,6 @@ with a longer window (RoPE needs nothing else) in a temporary directory.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -27,6 +26,7 @@ import grpc
 from bench.serve_client import RequestSpec, run_one
 from bench.servers import MODES, model_vocab_size, start_deployment
 from common.pb.kvhandoff.v1 import generate_pb2_grpc
+from common.server.grpc_server import run_async
 
 DEMO_WINDOW = 4096
 
@@ -72,14 +72,6 @@ async def _ttfts(addresses: dict[str, str], lengths: list[int], repeats: int, vo
     return out
 
 
-def _run_loop(coro):
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:
-        return asyncio.run(coro)
-
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvhandoff bench ttft", description=__doc__.split("\n")[0])
@@ -104,7 +96,7 @@ def main(argv: list[str]) -> int:
             for mode in MODES:
                 print(f"[{mode}] starting services ...", file=sys.stderr, flush=True)
                 deployments.append(start_deployment(mode, flags, Path(tmp), args.torch_threads))
-            per_mode = _run_loop(_ttfts(
+            per_mode = run_async(lambda: _ttfts(
                 {d.mode: d.address for d in deployments}, lengths, args.repeats,
                 model_vocab_size(model),
                 lambda text: print(f"\r[ttft] {text}   ", end="", file=sys.stderr, flush=True)))

@@ -14,6 +14,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,6 +26,8 @@ from common.errors import ServiceError
 # reflection and the read-only stats (so a drain can be watched).
 LIFECYCLE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.",
                       "/kvhandoff.v1.StatsService/")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -233,11 +236,11 @@ async def serve_until_signalled(server: grpc.aio.Server, health_servicer: Servin
         task.cancel()
 
 
-def run_async(main: Callable[[], Awaitable[None]]) -> None:
-    """Runs main on uvloop when it is installed (an ImportError inside main is not swallowed)."""
+def run_async(main: Callable[[], Awaitable[T]]) -> T:
+    """Runs main on uvloop when it is installed and returns its result (an ImportError inside
+    main is not swallowed)."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main())
-        return
-    uvloop.run(main())
+        return asyncio.run(main())
+    return uvloop.run(main())
