@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.helpers.cluster import Service, start_service
 from tests.helpers.tls import CertificateAuthority, Identity
 
 MODEL_FLAGS = ["--model", "demo", "--pool-tokens", "2048", "--max-context-tokens", "512",
@@ -71,3 +72,16 @@ def wait_log(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120
             raise RuntimeError(f"exited with {proc.returncode} before logging {text!r}:\n{log}")
         time.sleep(0.1)
     raise TimeoutError(f"{text!r} not in {path} after {timeout}s")
+
+
+def start_secure_prefill(pki: Pki, workdir: Path) -> Service:
+    """A prefill that requires client certificates signed by the cluster CA; returns once it
+    reports SERVING over mutual TLS (stopped again if it never does)."""
+    prefill = start_service("prefill", workdir, [*MODEL_FLAGS, *pki.prefill.flags()],
+                            wait_healthy=False)
+    try:
+        wait_serving_secure(prefill.address, pki.decode.channel_credentials(), prefill.proc)
+    except BaseException:
+        prefill.stop()
+        raise
+    return prefill

@@ -13,6 +13,7 @@ from tests.isolation.launch import start
 from tests.security.secure_cluster import (
     MODEL_FLAGS,
     TOKEN,
+    start_secure_prefill,
     Pki,
     health_status,
     wait_serving_secure,
@@ -27,11 +28,9 @@ PROMPT = [3, 9, 27, 81, 50]  # the demo vocabulary has 98 ids
 def secured(tmp_path_factory):
     root = tmp_path_factory.mktemp("api")
     pki = Pki.create(root / "pki")
-    prefill = start("prefill", root / "run", [*MODEL_FLAGS, *pki.prefill.flags()],
-                    wait_healthy=False)
+    prefill = start_secure_prefill(pki, root / "run")
     decode = None
     try:
-        wait_serving_secure(prefill.address, pki.decode.channel_credentials(), prefill.proc)
         decode = start("decode", root / "run", [
             *MODEL_FLAGS, "--prefill", prefill.address, *pki.decode.flags(),
             "--api-tls-cert", str(pki.api.cert), "--api-tls-key", str(pki.api.key),

@@ -16,7 +16,7 @@ from common.pb.kvhandoff.v1 import (
 )
 from tests.helpers.cluster import generate, handoff_stub
 from tests.isolation.launch import start
-from tests.security.secure_cluster import MODEL_FLAGS, Pki, wait_log, wait_serving_secure
+from tests.security.secure_cluster import MODEL_FLAGS, Pki, start_secure_prefill, wait_log
 
 pytestmark = pytest.mark.slow
 
@@ -25,10 +25,8 @@ pytestmark = pytest.mark.slow
 def secured(tmp_path_factory):
     root = tmp_path_factory.mktemp("mtls")
     pki = Pki.create(root / "pki")
-    prefill = start("prefill", root / "prefill", [*MODEL_FLAGS, *pki.prefill.flags()],
-                    wait_healthy=False)
+    prefill = start_secure_prefill(pki, root / "prefill")
     try:
-        wait_serving_secure(prefill.address, pki.decode.channel_credentials(), prefill.proc)
         yield pki, prefill, root
     finally:
         prefill.stop()
