@@ -70,3 +70,6 @@ class DecodeConfig:
     api_tls_cert: str = ""
     api_tls_key: str = ""
     local_prefill: bool = False
+    allow_protocol_1_0: bool = False
+    content_checks: bool = True
+    verify_depth_positions: int = 4

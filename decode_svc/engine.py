@@ -11,6 +11,7 @@ the step, and a sequence that fails is failed alone.
 from __future__ import annotations
 
 import queue
+import random
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -23,8 +24,18 @@ from common.errors import ServiceError
 from common.kvpool.allocator import PageOwnershipError
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import DecodeBatch, LlamaModel
-from common.sampling import sample_batch
+from common.sampling import SamplingConfig, sample_batch
+from decode_svc.content_check import (ContentCheckConfig, ContentVerdict, FiniteTracker,
+                                      check_content, refusal_if_not_finite)
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
+
+
+@dataclass(frozen=True)
+class _Verification:
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingConfig
+    done: Callable[[ContentVerdict | ServiceError], None]
 
 
 @dataclass
@@ -39,8 +50,12 @@ COMMANDS_PER_STEP = 64
 
 class DecodeEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, max_batch: int, max_waiting: int,
-                 log, counters: dict[str, int]) -> None:
+                 log, counters: dict[str, int],
+                 content_checks: ContentCheckConfig | None = None) -> None:
         self.model = model
+        self.content_checks = content_checks or ContentCheckConfig()
+        self._finite = FiniteTracker()
+        self._rng = random.SystemRandom()  # the depth positions are drawn after the KV arrived
         self.pool = pool
         self.max_batch = max_batch
         self.max_waiting = max_waiting
@@ -68,6 +83,12 @@ class DecodeEngine:
     def write(self, request_id: str, layer: int, token_start: int, kv: torch.Tensor) -> None:
         """kv: [2, n, Hkv, D] on the CPU; ignored if the request no longer holds pages."""
         self._inbox.put(("write", request_id, layer, token_start, kv))
+
+    def verify(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
+               done) -> None:
+        """After every write of the request's handoff: checks the KV content in its pages
+        (content_check); done(ContentVerdict) or done(HandoffRefused / ServiceError)."""
+        self._inbox.put(("verify", _Verification(request_id, token_ids, sampling, done)))
 
     def begin(self, seq: Sequence) -> None:
         """The handoff of seq was verified and its writes queued: join the running batch."""
@@ -141,12 +162,38 @@ class DecodeEngine:
             table = torch.tensor(self.pool.allocator.page_table(request_id), dtype=torch.int32,
                                  device=self.model.device)
             buffer = kv.to(self.model.device, non_blocking=True)
+            self._finite.observe(request_id, buffer)
             self.model.ops.unpack_kv(buffer, self.pool.k[layer], self.pool.v[layer], table,
                                      token_start)
         except Exception as exc:  # fail closed: this request must never decode over these pages
             self._write_failed.add(request_id)
             self.log.exception("kv_write_failed", request_id=request_id, layer=layer,
                                error=str(exc))
+
+    def _on_verify(self, job: _Verification) -> None:
+        """Answers job.done whatever happens, so no handoff waits forever."""
+        request_id = job.request_id
+        if not self.pool.allocator.holds(request_id):
+            job.done(ServiceError(grpc.StatusCode.INTERNAL, "RESERVATION_LOST",
+                                  "the request's KV pages were released"))
+            return
+        if request_id in self._write_failed:
+            job.done(ServiceError(grpc.StatusCode.INTERNAL, "KV_WRITE_FAILED",
+                                  "decode could not write the received KV into its pages"))
+            return
+        refusal = refusal_if_not_finite(self._finite, request_id)
+        if refusal is not None:
+            job.done(refusal)
+            return
+        try:
+            job.done(check_content(self.model, self.pool, request_id, job.token_ids,
+                                   job.sampling, self.content_checks, self._rng))
+        except ServiceError as err:
+            job.done(err)
+        except Exception as exc:  # a check that cannot run refuses: fail closed
+            self.log.exception("content_check_failed", request_id=request_id, error=str(exc))
+            job.done(ServiceError(grpc.StatusCode.INTERNAL, "CONTENT_CHECK_FAILED",
+                                  f"decode could not check the received KV: {exc}"))
 
     def _on_begin(self, seq: Sequence) -> None:
         if not self.pool.allocator.holds(seq.request_id):  # released while in flight
@@ -166,6 +213,7 @@ class DecodeEngine:
 
     def _on_release(self, request_id: str) -> None:
         self._write_failed.discard(request_id)
+        self._finite.forget(request_id)
         self._running.pop(request_id, None)
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
         self.pool.release(request_id)

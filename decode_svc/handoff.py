@@ -10,6 +10,7 @@ does.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -18,11 +19,30 @@ from common.handoff.codec import bytes_to_kv
 from common.handoff.reasons import HandoffRefused, refuse
 from common.handoff.verifier import Expectation, HandoffState, HandoffVerifier
 from common.pb.kvhandoff.v1 import handoff_pb2
+from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.prefill_client import PrefillClient
 
 DEADLINE_MARGIN_FRACTION = 0.1
 DEADLINE_MARGIN_MAX_S = 1.0
+
+
+@dataclass(frozen=True)
+class HandoffPolicy:
+    """What decode accepts beyond the form rules: 1.0 (unbound) handoffs only when the operator
+    allowed them; the content checks (off only for benchmarks that measure their cost)."""
+
+    allow_protocol_1_0: bool = False
+    content: ContentCheckConfig = field(default_factory=ContentCheckConfig)
+
+
+@dataclass(frozen=True)
+class ReceivedHandoff:
+    """A handoff whose form is verified and whose writes are queued on the engine."""
+
+    advisory_first_token: int  # prefill's first_token_id: logged, never streamed when checked
+    payload_bytes: int
+    bound: bool  # protocol 1.1 binding checked (False: a 1.0 prefill the operator allowed)
 
 
 def handoff_budget(timeout: float) -> float:
@@ -32,8 +52,8 @@ def handoff_budget(timeout: float) -> float:
 
 async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
                           request: handoff_pb2.PrefillRequest, expect: Expectation,
-                          timeout: float) -> tuple[int, int]:
-    """Returns (first token id, payload bytes received) once the commit is verified."""
+                          timeout: float) -> ReceivedHandoff:
+    """Returns once the stream ended in a verified commit; raises HandoffRefused otherwise."""
     verifier = HandoffVerifier(expect)
     call = client.prefill(request, handoff_budget(timeout))
     received = 0
@@ -46,7 +66,7 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
                 count = chunk.token_end - chunk.token_start
                 kv = bytes_to_kv(expect.layout, chunk.k, chunk.v, count)
                 engine.write(expect.request_id, chunk.layer, chunk.token_start, kv)
-        return verifier.finish(), received
+        return ReceivedHandoff(verifier.finish(), received, verifier.bound)
     except grpc.aio.AioRpcError as err:
         raise _refusal_from_rpc_error(err, verifier, time.monotonic() - started) from err
     finally:

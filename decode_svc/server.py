@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 
 from common.config import DecodeConfig
-from common.handoff.layout import describe_layout
+from common.handoff.layout import PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND, describe_layout
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, stats_pb2_grpc
@@ -19,7 +19,9 @@ from common.server.grpc_server import (TlsFiles, create_server, run_async, serve
                                        set_serving)
 from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
+from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
+from decode_svc.handoff import HandoffPolicy
 from decode_svc.local_prefill import LocalPrefillEngine, agree_locally
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.servicer import DecodeState, GenerationServicer
@@ -45,6 +47,11 @@ def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits |
            ) -> tuple[DecodeLimits | None, str]:
     """Limits from one prefill's info, made no looser than what is already agreed; or why not."""
     mine = runtime.loaded.fingerprint
+    if not config.allow_protocol_1_0 and not speaks_bound_handoffs(info):
+        versions = ", ".join(f"{v.major}.{v.minor}" for v in info.protocol_versions) or "none"
+        return None, (f"prefill speaks protocol {versions}; this decode requires 1.1, which binds "
+                      "each handoff to its prompt (start decode with --allow-protocol-1-0 to "
+                      "accept 1.0); refusing all requests")
     if info.model_fingerprint != mine or not runtime.layout.matches(info.layout):
         return None, (f"prefill serves model {info.model_fingerprint} with layout "
                       f"{describe_layout(info.layout)}; this decode serves {mine} with "
@@ -61,6 +68,12 @@ def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits |
             limits, context_window=min(limits.context_window, current.context_window),
             prefill_max_prompt=min(limits.prefill_max_prompt, current.prefill_max_prompt))
     return limits, ""
+
+
+def speaks_bound_handoffs(info) -> bool:
+    """Does the prefill advertise a 1.x version with the 1.1 binding?"""
+    return any(v.major == PROTOCOL_MAJOR and v.minor >= PROTOCOL_MINOR_BOUND
+               for v in info.protocol_versions)
 
 
 async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClient,
@@ -113,8 +126,18 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     refusals: dict[str, int] = {}
     counters: dict[str, int] = {}
     engine_class = LocalPrefillEngine if config.local_prefill else DecodeEngine
+    content = ContentCheckConfig(config.content_checks, config.verify_depth_positions)
     engine = engine_class(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
-                          log, counters)
+                          log, counters, content)
+    policy = HandoffPolicy(config.allow_protocol_1_0, content)
+    if config.allow_protocol_1_0:
+        log.warning("protocol_1_0_allowed", message="decode accepts prefills that speak protocol "
+                    "1.0: their handoffs carry no nonce, prompt digest or frame checksums; each "
+                    "such handoff is counted (handoffs_protocol_1_0)")
+    if not config.content_checks:
+        log.warning("content_checks_disabled", message="decode does not check the KV content of "
+                    "handoffs (--no-content-checks): a prefill that sends well-formed KV of the "
+                    "wrong tokens is not caught; use this only to measure the checks' cost")
     peer_tls = TlsFiles(svc.tls_cert, svc.tls_key, svc.tls_ca) if svc.tls_cert else None
     client = PrefillClient(config.prefill_target, config.max_chunk_bytes, peer_tls)
     state = DecodeState()
@@ -128,7 +151,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
         runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
-        config.handoff_timeout_s, refusals, metrics, log)
+        config.handoff_timeout_s, refusals, metrics, log, policy)
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,
         lambda: state.limits.prefill_max_prompt if state.limits else 0, refusals, counters,

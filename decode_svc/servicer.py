@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 
 from common.errors import ServiceError, abort_with
+from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.layout import KvLayout, protocol_version
 from common.handoff.reasons import HandoffRefused
 from common.handoff.verifier import Expectation
@@ -23,7 +24,8 @@ from common.sampling import SamplingConfig
 from common.tokenizer import IncrementalDetokenizer, Tokenizer
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
-from decode_svc.handoff import receive_handoff
+from decode_svc.content_check import ContentVerdict
+from decode_svc.handoff import HandoffPolicy, ReceivedHandoff, receive_handoff
 from decode_svc.local_prefill import LocalPrefillEngine, prefill_locally
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
@@ -44,8 +46,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     def __init__(self, engine: DecodeEngine, client: PrefillClient, state: DecodeState,
                  layout: KvLayout, fingerprint: str, tokenizer: Tokenizer | None,
                  eos_ids: tuple[int, ...], max_chunk_bytes: int, handoff_timeout_s: float,
-                 refusals: dict[str, int], metrics, log) -> None:
+                 refusals: dict[str, int], metrics, log,
+                 policy: HandoffPolicy | None = None) -> None:
         self.engine = engine
+        self.policy = policy or HandoffPolicy()
         self.client = client
         self.state = state
         self.layout = layout
@@ -86,12 +90,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         try:
             await self._reserve(request_id, prompt.reserve_tokens)
             queued = time.monotonic()
+            nonce = new_nonce()
             handoff_request = handoff_pb2.PrefillRequest(
                 request_id=request_id, token_ids=prompt.token_ids,
                 protocol_version=protocol_version(), model_fingerprint=self.fingerprint,
-                sampling=sampling.to_proto(), max_chunk_bytes=self.max_chunk_bytes)
+                sampling=sampling.to_proto(), max_chunk_bytes=self.max_chunk_bytes, nonce=nonce)
             expect = Expectation(request_id, len(prompt.token_ids), self.layout, self.fingerprint,
-                                 self.max_chunk_bytes, limits.vocab_size)
+                                 self.max_chunk_bytes, limits.vocab_size, nonce,
+                                 prompt_digest(prompt.token_ids), self.policy.allow_protocol_1_0)
             remaining = context.time_remaining()
             timeout = (self.handoff_timeout_s if remaining is None
                        else min(remaining, self.handoff_timeout_s))
@@ -100,8 +106,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 first, nbytes = await prefill_locally(self.engine, request_id, prompt.token_ids,
                                                       sampling), 0
             else:
-                first, nbytes = await receive_handoff(self.client, self.engine, handoff_request,
-                                                      expect, timeout)
+                handoff = await receive_handoff(self.client, self.engine, handoff_request,
+                                                expect, timeout)
+                first, nbytes = await self._check_content(handoff, request_id, prompt.token_ids,
+                                                          sampling, log), handoff.payload_bytes
             handed = time.monotonic()
             log.info("prefilled_locally" if local else "handoff_verified",
                      prompt_tokens=len(prompt.token_ids), bytes=nbytes,
@@ -133,6 +141,29 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                                                    f"decode failed: {exc}"))
         finally:
             self.engine.release(request_id)
+
+    async def _check_content(self, handoff: ReceivedHandoff, request_id: str,
+                             token_ids: list[int], sampling: SamplingConfig, log) -> int:
+        """The KV content checks (raise HandoffRefused); returns the first token to stream:
+        decode's own, from its own logits. Prefill's first_token_id is only compared."""
+        counters = self.engine.counters
+        if not handoff.bound:
+            counters["handoffs_protocol_1_0"] = counters.get("handoffs_protocol_1_0", 0) + 1
+        if not self.policy.content.enabled:
+            return handoff.advisory_first_token
+        verdict: ContentVerdict = await engine_answer(
+            lambda done: self.engine.verify(request_id, token_ids, sampling, done))
+        log.info("handoff_content_verified", layer0_error=round(verdict.layer0_error, 8),
+                 depth_error=round(verdict.depth_error, 8), positions=list(verdict.positions),
+                 seconds=round(verdict.seconds, 5))
+        if verdict.first_token_id != handoff.advisory_first_token:
+            counters["first_token_disagreements"] = (
+                counters.get("first_token_disagreements", 0) + 1)
+            log.warning("first_token_disagrees", prefill_first_token=handoff.advisory_first_token,
+                        decode_first_token=verdict.first_token_id,
+                        message="prefill's first_token_id differs from decode's own; decode's "
+                                "is streamed")
+        return verdict.first_token_id
 
     async def _reserve(self, request_id: str, num_tokens: int) -> None:
         await engine_answer(lambda done: self.engine.reserve(request_id, num_tokens, done))

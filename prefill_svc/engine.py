@@ -38,6 +38,7 @@ class PrefillJob:
     sampling: SamplingConfig
     chunk_tokens: int
     emit: Callable[[bytes | None], None]
+    nonce: bytes = b""  # the request's, echoed in every frame (1.1)
     cancelled: threading.Event = field(default_factory=threading.Event)
     chunks_sent: int = 0
     submitted: float = field(default_factory=time.monotonic)
@@ -120,7 +121,8 @@ class PrefillEngine:
                                    error=str(exc))
                 job.emit(frame_wire(commit_frame(job.request_id, n, 0, 0,
                                                  handoff_pb2.HANDOFF_STATUS_ABORTED,
-                                                 f"could not reserve KV pages: {exc}")))
+                                                 f"could not reserve KV pages: {exc}",
+                                                 job.nonce)))
                 job.emit(None)
                 continue
             self.metrics.queued(time.monotonic() - job.submitted)
@@ -139,7 +141,7 @@ class PrefillEngine:
             for job, first in zip(batch, firsts):
                 if not job.cancelled.is_set():
                     job.emit(frame_wire(commit_frame(job.request_id, len(job.token_ids),
-                                                     job.chunks_sent, first)))
+                                                     job.chunks_sent, first, nonce=job.nonce)))
                     done = self.counters.get("handoffs_completed", 0)
                     self.counters["handoffs_completed"] = done + 1
                     self.metrics.handoff(time.monotonic() - job.submitted, 2 * len(job.token_ids)
@@ -153,7 +155,8 @@ class PrefillEngine:
                 if not job.cancelled.is_set():
                     job.emit(frame_wire(commit_frame(
                         job.request_id, len(job.token_ids), job.chunks_sent, 0,
-                        handoff_pb2.HANDOFF_STATUS_ABORTED, f"prefill failed: {exc}")))
+                        handoff_pb2.HANDOFF_STATUS_ABORTED, f"prefill failed: {exc}",
+                        job.nonce)))
         finally:
             for job in batch:
                 self.pool.release(job.request_id)
@@ -199,7 +202,7 @@ class PrefillEngine:
         for start in range(0, n, job.chunk_tokens):
             count = min(job.chunk_tokens, n - start)
             kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
-            frame = chunk_wire(job.request_id, job.chunks_sent, layer, start, kv)
+            frame = chunk_wire(job.request_id, job.chunks_sent, layer, start, kv, job.nonce)
             if not self.send_budget.acquire(job.unsent, len(frame), job.cancelled):
                 return  # the stream is gone; the next layer boundary drops the job
             job.emit(frame)

@@ -14,6 +14,7 @@ import grpc
 
 from common.capacity import Capacity
 from common.errors import ServiceError, abort_with
+from common.handoff.binding import prompt_digest
 from common.handoff.codec import frame_wire, header_frame
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
 from common.metrics import NullMetrics
@@ -57,7 +58,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
             self.metrics.refused(rejection.reason_code)
             yield self._out(frame_wire(header_frame(
                 request.request_id, len(request.token_ids), handoff_pb2.HANDOFF_STATUS_REJECTED,
-                None, fingerprint, rejection.message, rejection.reason_code)))
+                None, fingerprint, rejection.message, rejection.reason_code, request.nonce)))
             await abort_with(context, ServiceError(rejection.code, rejection.reason_code,
                                                    rejection.message))
             return
@@ -65,13 +66,13 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         frames: asyncio.Queue = asyncio.Queue()
         max_chunk = request.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES
         job = PrefillJob(
-            request_id=request.request_id, token_ids=list(request.token_ids),
+            request_id=request.request_id, token_ids=list(request.token_ids), nonce=request.nonce,
             sampling=SamplingConfig.from_proto(request.sampling, uuid.uuid4().int & (2**63 - 1)),
             chunk_tokens=self.layout.chunk_tokens(max_chunk),
             emit=lambda frame: loop.call_soon_threadsafe(frames.put_nowait, frame))
-        yield self._out(frame_wire(header_frame(request.request_id, len(request.token_ids),
-                                                handoff_pb2.HANDOFF_STATUS_OK, self.layout,
-                                                fingerprint)))
+        yield self._out(frame_wire(header_frame(
+            request.request_id, len(job.token_ids), handoff_pb2.HANDOFF_STATUS_OK, self.layout,
+            fingerprint, nonce=job.nonce, digest=prompt_digest(job.token_ids))))
         log.info("prefill_started")
         self.engine.submit(job)
         try:

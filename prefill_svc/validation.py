@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from common.handoff.layout import PROTOCOL_MAJOR
+from common.handoff.binding import NONCE_BYTES
+from common.handoff.layout import PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND
 from common.handoff.reasons import REJECTION_CODES
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -40,6 +41,10 @@ def validate_prefill(request: handoff_pb2.PrefillRequest,
         return Rejection("VERSION_UNSUPPORTED",
                          f"protocol major version {major} is not supported; this prefill speaks "
                          f"{PROTOCOL_MAJOR}")
+    minor = request.protocol_version.minor
+    if minor >= PROTOCOL_MINOR_BOUND and len(request.nonce) < NONCE_BYTES:
+        return Rejection("NONCE_INVALID", f"a protocol 1.{minor} request needs a nonce of at least "
+                         f"{NONCE_BYTES} random bytes; it has {len(request.nonce)}")
     if request.model_fingerprint and request.model_fingerprint != limits.model_fingerprint:
         return Rejection("MODEL_MISMATCH", f"decode serves model {request.model_fingerprint!r}, "
                          f"this prefill serves {limits.model_fingerprint!r}")

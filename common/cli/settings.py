@@ -48,6 +48,12 @@ SERVICE_HELP = {
     "tls_cert": "PEM certificate for the prefill<->decode channel (mTLS)",
     "tls_key": "PEM key for --tls-cert", "tls_ca": "PEM CA that signs the peers' certificates",
     "grace_seconds": "drain time on SIGTERM: in-flight requests get this long to finish",
+    "allow_protocol_1_0": "accept prefills that speak protocol 1.0 (no nonce, prompt digest or "
+                          "frame checksums); logged at start and counted per handoff",
+    "content_checks": "check the KV content of every handoff before streaming (layer 0, depth, "
+                      "finiteness); --no-content-checks is for benchmarks of their cost only",
+    "verify_depth_positions": "random prompt positions decode recomputes through every layer, "
+                              "besides the last one",
 }
 
 # Range checks after merging: field -> (lowest, highest); None is unbounded.
@@ -58,7 +64,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_unsent_bytes": (1, None),
     "max_batch": (1, None), "max_waiting": (0, None), "default_max_tokens": (1, None),
     "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),
-    "prefill_info_interval_s": (0.01, None),
+    "prefill_info_interval_s": (0.01, None), "verify_depth_positions": (0, 1024),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
            "kernels": ("auto", "triton", "torch")}

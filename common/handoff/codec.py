@@ -20,6 +20,7 @@ import google_crc32c
 import numpy as np
 import torch
 
+from common.handoff.binding import chunk_checksum, chunk_metadata, commit_checksum
 from common.handoff.layout import KvLayout, protocol_version
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -35,33 +36,41 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 
 def header_frame(request_id: str, token_count: int, status: int, layout: KvLayout | None,
-                 fingerprint: str, reason: str = "", reason_code: str = ""
-                 ) -> handoff_pb2.PrefillResponse:
+                 fingerprint: str, reason: str = "", reason_code: str = "", nonce: bytes = b"",
+                 digest: bytes = b"") -> handoff_pb2.PrefillResponse:
+    """digest: `binding.prompt_digest` of the ids prefill computes; empty for a rejection."""
     header = handoff_pb2.HandoffHeader(
         protocol_version=protocol_version(), request_id=request_id, token_count=token_count,
-        status=status, reason=reason, reason_code=reason_code, model_fingerprint=fingerprint)
+        status=status, reason=reason, reason_code=reason_code, model_fingerprint=fingerprint,
+        nonce=nonce, prompt_digest=digest)
     if layout is not None:
         header.layout.CopyFrom(layout.to_proto())
     return handoff_pb2.PrefillResponse(header=header)
 
 
 def chunk_frame(request_id: str, sequence_number: int, layer: int, token_start: int,
-                kv: torch.Tensor) -> handoff_pb2.PrefillResponse:
-    """kv: [2, n, Hkv, D] on the CPU."""
+                kv: torch.Tensor, nonce: bytes = b"") -> handoff_pb2.PrefillResponse:
+    """kv: [2, n, Hkv, D] on the CPU; both checksums set."""
     k, v = tensor_bytes(kv[0]), tensor_bytes(kv[1])
+    token_end = token_start + kv.shape[1]
     crc = google_crc32c.extend(google_crc32c.value(k), v)
+    meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
     chunk = handoff_pb2.KvChunk(
         request_id=request_id, sequence_number=sequence_number, layer=layer,
-        token_start=token_start, token_end=token_start + kv.shape[1], k=k, v=v, crc32c=crc)
+        token_start=token_start, token_end=token_end, k=k, v=v, crc32c=crc, nonce=nonce,
+        chunk_crc32c=chunk_checksum(crc, meta))
     return handoff_pb2.PrefillResponse(chunk=chunk)
 
 
 def commit_frame(request_id: str, token_count: int, chunk_count: int, first_token_id: int,
-                 status: int = handoff_pb2.HANDOFF_STATUS_OK, reason: str = ""
-                 ) -> handoff_pb2.PrefillResponse:
+                 status: int = handoff_pb2.HANDOFF_STATUS_OK, reason: str = "",
+                 nonce: bytes = b"") -> handoff_pb2.PrefillResponse:
+    """The commit, its checksum set over the fields it covers."""
     return handoff_pb2.PrefillResponse(commit=handoff_pb2.HandoffCommit(
         request_id=request_id, token_count=token_count, chunk_count=chunk_count,
-        first_token_id=first_token_id, status=status, reason=reason))
+        first_token_id=first_token_id, status=status, reason=reason, nonce=nonce,
+        commit_crc32c=commit_checksum(request_id, nonce, token_count, chunk_count,
+                                      first_token_id, status)))
 
 
 # ---- wire path: encoding -------------------------------------------------------------------
@@ -78,18 +87,22 @@ def _scalar(tag: int, value: int) -> bytes:
     return bytes((tag,)) + _varint(value) if value else b""
 
 
+def _bytes_field(tag: int, data: bytes) -> bytes:
+    return bytes((tag,)) + _varint(len(data)) + data if data else b""
+
+
 def encode_chunk(request_id: str, sequence_number: int, layer: int, token_start: int,
-                 token_end: int, k, v, crc32c: int) -> bytes:
+                 token_end: int, k, v, crc32c: int, nonce: bytes = b"",
+                 chunk_crc32c: int = 0) -> bytes:
     """The serialized `PrefillResponse(chunk=KvChunk(...))`. k and v are C-contiguous byte
     buffers (bytes, uint8 numpy arrays); each is copied once, into the returned frame."""
-    rid = request_id.encode()
     k_len, v_len = len(k), len(v)
     prefix = b"".join((
-        b"\x0a" + _varint(len(rid)) + rid if rid else b"",
+        _bytes_field(0x0a, request_id.encode()),
         _scalar(0x10, sequence_number), _scalar(0x18, layer), _scalar(0x20, token_start),
         _scalar(0x28, token_end), b"\x32" + _varint(k_len) if k_len else b""))
     middle = b"\x3a" + _varint(v_len) if v_len else b""
-    suffix = _scalar(0x40, crc32c)
+    suffix = _scalar(0x40, crc32c) + _bytes_field(0x4a, nonce) + _scalar(0x50, chunk_crc32c)
     body = len(prefix) + k_len + len(middle) + v_len + len(suffix)
     head = bytes((_CHUNK_FIELD_TAG,)) + _varint(body) + prefix
     return b"".join((head, k, middle, v, suffix))
@@ -102,12 +115,15 @@ def kv_buffers(kv: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 def chunk_wire(request_id: str, sequence_number: int, layer: int, token_start: int,
-               kv: torch.Tensor) -> bytes:
-    """The serialized chunk frame of kv [2, n, Hkv, D] (CPU), crc32c included."""
+               kv: torch.Tensor, nonce: bytes = b"") -> bytes:
+    """The serialized chunk frame of kv [2, n, Hkv, D] (CPU), both checksums included; the
+    payload is read once for both."""
     k, v = kv_buffers(kv)
+    token_end = token_start + kv.shape[1]
     crc = google_crc32c.extend(google_crc32c.value(k), v)
-    return encode_chunk(request_id, sequence_number, layer, token_start,
-                        token_start + kv.shape[1], k, v, crc)
+    meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
+    return encode_chunk(request_id, sequence_number, layer, token_start, token_end, k, v, crc,
+                        nonce, chunk_checksum(crc, meta))
 
 
 def frame_wire(frame: handoff_pb2.PrefillResponse) -> bytes:
@@ -129,6 +145,8 @@ class WireChunk:
     k: np.ndarray
     v: np.ndarray
     crc32c: int
+    nonce: bytes = b""
+    chunk_crc32c: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,10 +197,10 @@ def parse_chunk_fast(data: bytes) -> WireChunkFrame | None:
     while pos < end:
         tag, pos = _read_varint(data, pos)
         field, wire = tag >> 3, tag & 7
-        if tag < 0 or field <= last or field > 8:
+        if tag < 0 or field <= last or field > 10:
             return None  # unknown, repeated or out-of-order field: not the canonical form
         last = field
-        if field in (1, 6, 7):
+        if field in (1, 6, 7, 9):
             if wire != 2:
                 return None
             size, pos = _read_varint(data, pos)
@@ -205,7 +223,8 @@ def parse_chunk_fast(data: bytes) -> WireChunkFrame | None:
     return WireChunkFrame(WireChunk(
         request_id=request_id, sequence_number=values.get(2, 0), layer=values.get(3, 0),
         token_start=values.get(4, 0), token_end=values.get(5, 0),
-        k=_view(data, spans.get(6)), v=_view(data, spans.get(7)), crc32c=values.get(8, 0)))
+        k=_view(data, spans.get(6)), v=_view(data, spans.get(7)), crc32c=values.get(8, 0),
+        nonce=bytes(data[slice(*spans.get(9, (0, 0)))]), chunk_crc32c=values.get(10, 0)))
 
 
 def _view(data: bytes, span: tuple[int, int] | None) -> np.ndarray:

@@ -9,7 +9,9 @@ import torch
 from common.pb.kvhandoff.v1 import common_pb2
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
+# The first minor version whose handoffs are bound to their request (nonce, digest, checksums).
+PROTOCOL_MINOR_BOUND = 1
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 TARGET_CHUNK_BYTES = 1 << 20
 

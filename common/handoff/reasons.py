@@ -39,6 +39,14 @@ REFUSAL_CODES: dict[str, grpc.StatusCode] = {
     "FIRST_TOKEN_INVALID": C.INTERNAL,
     "HANDOFF_TIMEOUT": C.DEADLINE_EXCEEDED,
     "PEER_UNAVAILABLE": C.UNAVAILABLE,
+    # protocol 1.1: the handoff bound to its request
+    "NONCE_MISMATCH": C.INTERNAL,
+    "PROMPT_DIGEST_MISMATCH": C.INTERNAL,
+    "FRAME_CHECKSUM_MISMATCH": C.DATA_LOSS,
+    # 1.1: decode's checks of the KV content, after the commit and before any token
+    "KV_NOT_FINITE": C.DATA_LOSS,
+    "KV_LAYER0_MISMATCH": C.DATA_LOSS,
+    "KV_DEPTH_MISMATCH": C.DATA_LOSS,
 }
 
 # Prefill's rejection reason codes (header.reason_code) -> status the client of decode sees.
@@ -51,6 +59,7 @@ REJECTION_CODES: dict[str, grpc.StatusCode] = {
     "VERSION_UNSUPPORTED": C.FAILED_PRECONDITION,
     "MODEL_MISMATCH": C.FAILED_PRECONDITION,
     "CHUNK_LIMIT_TOO_SMALL": C.INVALID_ARGUMENT,
+    "NONCE_INVALID": C.INVALID_ARGUMENT,
 }
 
 

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import google_crc32c
 
-from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, PROTOCOL_MAJOR, KvLayout, describe_layout
+from common.handoff.binding import chunk_checksum, chunk_metadata, commit_checksum
+from common.handoff.layout import (DEFAULT_MAX_CHUNK_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND,
+                                   KvLayout, describe_layout)
 from common.handoff.reasons import REJECTION_CODES, HandoffRefused, refuse
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -37,6 +39,9 @@ class Expectation:
     model_fingerprint: str
     max_chunk_bytes: int  # as sent in the PrefillRequest; 0 means DEFAULT_MAX_CHUNK_BYTES
     vocab_size: int
+    nonce: bytes = b""  # as sent in the PrefillRequest
+    prompt_digest: bytes = b""  # binding.prompt_digest of the prompt sent
+    allow_protocol_1_0: bool = False  # accept an unbound (1.0) handoff: no nonce, no checksums
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,7 @@ class HandoffVerifier:
         self.tokens_covered = 0
         self._coverage = [bytearray(expect.token_count) for _ in range(expect.layout.num_layers)]
         self.first_token_id: int | None = None
+        self.bound = True  # False once a 1.0 header was accepted: no binding fields to check
 
     def _fail(self, reason: str, message: str, code=None) -> HandoffRefused:
         self.state = HandoffState.REFUSED
@@ -116,6 +122,7 @@ class HandoffVerifier:
         if header.token_count != self.expect.token_count:
             raise self._fail("TOKEN_COUNT_MISMATCH", f"header token count {header.token_count}, "
                              f"but the prompt sent has {self.expect.token_count} tokens")
+        self._check_header_binding(header)
         if header.model_fingerprint != self.expect.model_fingerprint:
             raise self._fail("MODEL_MISMATCH", f"prefill model {header.model_fingerprint!r} is not "
                              f"this decode's {self.expect.model_fingerprint!r}")
@@ -125,8 +132,32 @@ class HandoffVerifier:
                              f"{describe_layout(self.expect.layout.to_proto())}")
         self.state = HandoffState.RECEIVING
 
+    def _check_header_binding(self, header: handoff_pb2.HandoffHeader) -> None:
+        """1.1: the nonce echoed and the digest of the prompt prefill computed (D-28, D-29);
+        a 1.0 header only when the operator allowed it (D-32)."""
+        if header.protocol_version.minor < PROTOCOL_MINOR_BOUND:
+            if not self.expect.allow_protocol_1_0:
+                raise self._fail("VERSION_UNSUPPORTED", "prefill answered with protocol "
+                                 f"1.{header.protocol_version.minor}, which does not bind a "
+                                 "handoff to its prompt; this decode requires 1.1 (start it with "
+                                 "--allow-protocol-1-0 to accept 1.0 prefills)")
+            self.bound = False
+            return
+        self._check_nonce("header", header.nonce)
+        if header.prompt_digest != self.expect.prompt_digest:
+            raise self._fail("PROMPT_DIGEST_MISMATCH", "the header's prompt digest "
+                             f"{header.prompt_digest.hex()[:16] or 'empty'}... is not the digest "
+                             "of the prompt decode sent: prefill computed other tokens")
+
+    def _check_nonce(self, frame_name: str, nonce: bytes) -> None:
+        if self.bound and nonce != self.expect.nonce:
+            raise self._fail("NONCE_MISMATCH", f"{frame_name} carries nonce "
+                             f"{bytes(nonce).hex() or 'empty'}, not this handoff's: a frame of "
+                             "another handoff")
+
     def _on_chunk(self, chunk: handoff_pb2.KvChunk) -> VerifiedChunk:
         self._check_request_id("chunk", chunk.request_id)
+        self._check_nonce("chunk", chunk.nonce)
         if chunk.sequence_number != self.chunks_seen:
             raise self._fail("CHUNK_SEQUENCE_GAP", f"chunk sequence number "
                              f"{chunk.sequence_number}, expected {self.chunks_seen}")
@@ -155,6 +186,15 @@ class HandoffVerifier:
         if crc != chunk.crc32c:
             raise self._fail("CHECKSUM_MISMATCH", f"chunk {chunk.sequence_number} crc32c "
                              f"{chunk.crc32c:#010x}, computed {crc:#010x}")
+        if self.bound:
+            meta = chunk_metadata(chunk.request_id, self.expect.nonce, chunk.sequence_number,
+                                  chunk.layer, start, end)
+            frame_crc = chunk_checksum(crc, meta)
+            if frame_crc != chunk.chunk_crc32c:
+                raise self._fail("FRAME_CHECKSUM_MISMATCH", f"chunk {chunk.sequence_number} "
+                                 f"checksum over metadata and payload is {chunk.chunk_crc32c:#010x}"
+                                 f", computed {frame_crc:#010x}: its layer, range or sequence "
+                                 "number is not the one it was sent with")
         coverage[start:end] = b"\x01" * (end - start)
         self.chunks_seen += 1
         self.tokens_covered += end - start
@@ -162,6 +202,14 @@ class HandoffVerifier:
 
     def _on_commit(self, commit: handoff_pb2.HandoffCommit) -> None:
         self._check_request_id("commit", commit.request_id)
+        self._check_nonce("commit", commit.nonce)
+        if self.bound:
+            crc = commit_checksum(commit.request_id, self.expect.nonce, commit.token_count,
+                                  commit.chunk_count, commit.first_token_id, commit.status)
+            if crc != commit.commit_crc32c:
+                raise self._fail("FRAME_CHECKSUM_MISMATCH", f"commit checksum "
+                                 f"{commit.commit_crc32c:#010x}, computed {crc:#010x}: its "
+                                 "counts, status or first token were changed")
         self._check_status("commit", commit.status, commit.reason, "")
         if commit.token_count != self.expect.token_count:
             raise self._fail("COMMIT_MISMATCH", f"commit token count {commit.token_count}, "

@@ -138,3 +138,15 @@ class LlamaModel:
         for layer in range(self.config.num_layers):
             x, residual = self._layer(layer, x, residual, attend)
         return self._logits(x, residual)
+
+    @torch.inference_mode()
+    def layer0_kv(self, token_ids: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer 0's K (after RoPE) and V of tokens at positions, both [T] int64: they depend
+        only on each token and its position, so decode can check received KV against them
+        without attention. -> k, v: [T, Hkv, D]."""
+        x = F.embedding(token_ids, self.w["model.embed_tokens.weight"])  # [T, H]
+        h, _ = self.ops.rmsnorm(x, self.w["model.layers.0.input_layernorm.weight"],
+                                self.config.rms_norm_eps, None)
+        _, k, v = self._qkv(0, h, positions)
+        return k, v

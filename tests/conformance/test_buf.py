@@ -44,7 +44,7 @@ def test_breaking_check_catches_a_renumbered_field(buf, tmp_path):
     handoff = copy / "kvhandoff" / "v1" / "handoff.proto"
     text = handoff.read_text()
     assert "uint32 crc32c = 8;" in text
-    handoff.write_text(text.replace("uint32 crc32c = 8;", "uint32 crc32c = 9;"))
+    handoff.write_text(text.replace("uint32 crc32c = 8;", "uint32 crc32c = 99;"))
     result = run_buf(buf, tmp_path / "cache", "breaking", str(copy), "--against", str(BASELINE))
     assert result.returncode != 0
     assert 'field "8" with name "crc32c"' in result.stdout, result.stdout + result.stderr

@@ -20,20 +20,22 @@ HANDOFF_STATUS_REJECTED: HandoffStatus
 HANDOFF_STATUS_ABORTED: HandoffStatus
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "protocol_version", "model_fingerprint", "sampling", "max_chunk_bytes")
+    __slots__ = ("request_id", "token_ids", "protocol_version", "model_fingerprint", "sampling", "max_chunk_bytes", "nonce")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     protocol_version: _common_pb2.ProtocolVersion
     model_fingerprint: str
     sampling: _common_pb2.SamplingParams
     max_chunk_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("header", "chunk", "commit")
@@ -46,7 +48,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, header: _Optional[_Union[HandoffHeader, _Mapping]] = ..., chunk: _Optional[_Union[KvChunk, _Mapping]] = ..., commit: _Optional[_Union[HandoffCommit, _Mapping]] = ...) -> None: ...
 
 class HandoffHeader(_message.Message):
-    __slots__ = ("protocol_version", "request_id", "token_count", "status", "reason", "layout", "model_fingerprint", "reason_code")
+    __slots__ = ("protocol_version", "request_id", "token_count", "status", "reason", "layout", "model_fingerprint", "reason_code", "nonce", "prompt_digest")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,8 @@ class HandoffHeader(_message.Message):
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REASON_CODE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     protocol_version: _common_pb2.ProtocolVersion
     request_id: str
     token_count: int
@@ -63,10 +67,12 @@ class HandoffHeader(_message.Message):
     layout: _common_pb2.KvLayout
     model_fingerprint: str
     reason_code: str
-    def __init__(self, protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, _Mapping]] = ..., request_id: _Optional[str] = ..., token_count: _Optional[int] = ..., status: _Optional[_Union[HandoffStatus, str]] = ..., reason: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., reason_code: _Optional[str] = ...) -> None: ...
+    nonce: bytes
+    prompt_digest: bytes
+    def __init__(self, protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, _Mapping]] = ..., request_id: _Optional[str] = ..., token_count: _Optional[int] = ..., status: _Optional[_Union[HandoffStatus, str]] = ..., reason: _Optional[str] = ..., layout: _Optional[_Union[_common_pb2.KvLayout, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., reason_code: _Optional[str] = ..., nonce: _Optional[bytes] = ..., prompt_digest: _Optional[bytes] = ...) -> None: ...
 
 class KvChunk(_message.Message):
-    __slots__ = ("request_id", "sequence_number", "layer", "token_start", "token_end", "k", "v", "crc32c")
+    __slots__ = ("request_id", "sequence_number", "layer", "token_start", "token_end", "k", "v", "crc32c", "nonce", "chunk_crc32c")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_NUMBER_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +81,8 @@ class KvChunk(_message.Message):
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_CRC32C_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequence_number: int
     layer: int
@@ -83,23 +91,29 @@ class KvChunk(_message.Message):
     k: bytes
     v: bytes
     crc32c: int
-    def __init__(self, request_id: _Optional[str] = ..., sequence_number: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
+    nonce: bytes
+    chunk_crc32c: int
+    def __init__(self, request_id: _Optional[str] = ..., sequence_number: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., nonce: _Optional[bytes] = ..., chunk_crc32c: _Optional[int] = ...) -> None: ...
 
 class HandoffCommit(_message.Message):
-    __slots__ = ("request_id", "token_count", "chunk_count", "first_token_id", "status", "reason")
+    __slots__ = ("request_id", "token_count", "chunk_count", "first_token_id", "status", "reason", "nonce", "commit_crc32c")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_CRC32C_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_count: int
     chunk_count: int
     first_token_id: int
     status: HandoffStatus
     reason: str
-    def __init__(self, request_id: _Optional[str] = ..., token_count: _Optional[int] = ..., chunk_count: _Optional[int] = ..., first_token_id: _Optional[int] = ..., status: _Optional[_Union[HandoffStatus, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    nonce: bytes
+    commit_crc32c: int
+    def __init__(self, request_id: _Optional[str] = ..., token_count: _Optional[int] = ..., chunk_count: _Optional[int] = ..., first_token_id: _Optional[int] = ..., status: _Optional[_Union[HandoffStatus, str]] = ..., reason: _Optional[str] = ..., nonce: _Optional[bytes] = ..., commit_crc32c: _Optional[int] = ...) -> None: ...
 
 class GetPrefillInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,166 @@
+"""Decode's check of a handoff's KV *content* (SPEC.md D-33..D-36): after the commit verified
+the form, and before the sequence joins the batch, decode proves that the KV in its pages is the
+KV of the prompt it sent.
+
+1. finite: every received value (checked as each chunk lands, `FiniteTracker`);
+2. layer 0: decode computes layer 0's K and V of its own prompt (embedding, norm, projections,
+   RoPE depend only on each token and its position) and compares them, every token, with what
+   arrived;
+3. depth: decode recomputes the last prompt position and `depth_positions` positions it draws at
+   random now, after the KV arrived, through every layer over the received KV (one batched
+   decode step), and compares each recomputed position's K and V, in every layer, with what
+   prefill sent for it;
+4. the first token is sampled from decode's own logits of the last position.
+
+Differences are measured as max |received - recomputed| / rms(recomputed), per layer; the
+tolerances per dtype are in SPEC.md section 7.4, with the measurements that justify them.
+Invariants: reads and writes only the request's own pages, and only slots its handoff covered;
+the depth step overwrites the sampled slots with decode's own values (equal within tolerance).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from common.handoff.reasons import HandoffRefused, refuse
+from common.kvpool.kv_cache import KvPool
+from common.model.llama import DecodeBatch, LlamaModel
+from common.sampling import SamplingConfig, sample_batch
+
+
+@dataclass(frozen=True)
+class ContentTolerance:
+    """Largest accepted max |received - recomputed| / rms(recomputed) of one layer."""
+
+    layer0: float
+    depth: float
+
+
+# Measured in SPEC.md section 7.4 (largest legitimate difference seen, then a margin).
+TOLERANCES: dict[torch.dtype, ContentTolerance] = {
+    torch.float32: ContentTolerance(layer0=1e-3, depth=5e-3),
+    torch.float16: ContentTolerance(layer0=1e-2, depth=5e-2),
+    torch.bfloat16: ContentTolerance(layer0=5e-2, depth=2e-1),
+}
+
+
+@dataclass(frozen=True)
+class ContentCheckConfig:
+    enabled: bool = True
+    depth_positions: int = 4  # random prompt positions recomputed besides the last one
+
+
+@dataclass(frozen=True)
+class ContentVerdict:
+    """What the checks measured; first_token_id is decode's own."""
+
+    first_token_id: int
+    layer0_error: float
+    depth_error: float
+    positions: tuple[int, ...]
+    seconds: float
+
+
+class FiniteTracker:
+    """Per request: were all KV values written so far finite? Accumulates on the device without
+    a host sync per chunk; read once, by `all_finite`."""
+
+    def __init__(self) -> None:
+        self._flags: dict[str, torch.Tensor] = {}
+
+    def observe(self, request_id: str, kv: torch.Tensor) -> None:
+        ok = torch.isfinite(kv).all()
+        seen = self._flags.get(request_id)
+        self._flags[request_id] = ok if seen is None else seen & ok
+
+    def all_finite(self, request_id: str) -> bool:
+        flag = self._flags.get(request_id)
+        return flag is None or bool(flag.item())
+
+    def forget(self, request_id: str) -> None:
+        self._flags.pop(request_id, None)
+
+
+def relative_error(received: torch.Tensor, recomputed: torch.Tensor) -> float:
+    """max |received - recomputed| / rms(recomputed), in float32; inf when not finite (NaN
+    compares false with any tolerance, so it must never reach the comparison)."""
+    ours = recomputed.float()
+    scale = ours.pow(2).mean().sqrt().clamp_min(1e-12)
+    error = float(((received.float() - ours).abs().max() / scale).item())
+    return error if math.isfinite(error) else math.inf
+
+
+def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: list[int],
+                  sampling: SamplingConfig, config: ContentCheckConfig,
+                  rng: random.Random) -> ContentVerdict:
+    """Runs checks 2-4 on a request whose handoff is fully written into its pages; returns the
+    verdict or raises HandoffRefused (KV_LAYER0_MISMATCH, KV_DEPTH_MISMATCH)."""
+    started = time.perf_counter()
+    tolerance = TOLERANCES[pool.k.dtype]
+    device = model.device
+    n = len(token_ids)
+    pages = pool.allocator.page_table(request_id)
+    table = torch.tensor(pages, dtype=torch.int32, device=device)
+    ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+    layer0 = _layer0_error(model, pool, table, ids)
+    if layer0 > tolerance.layer0:
+        raise refuse("KV_LAYER0_MISMATCH", f"layer 0 K/V differ from decode's own computation "
+                     f"of the prompt by {layer0:.3g} (tolerance {tolerance.layer0:g}): the KV "
+                     "is not the KV of the prompt decode sent")
+    others = rng.sample(range(n - 1), min(config.depth_positions, n - 1))
+    positions = [n - 1, *sorted(others)]
+    depth, layer, logits = _depth_error(model, pool, pages, table, ids, positions)
+    if depth > tolerance.depth:
+        raise refuse("KV_DEPTH_MISMATCH", f"recomputing prompt positions {positions} through "
+                     f"every layer over the received KV gives layer {layer} K/V that differ by "
+                     f"{depth:.3g} from what prefill sent (tolerance {tolerance.depth:g})")
+    first = sample_batch(logits[:1], [sampling], [0])[0]
+    return ContentVerdict(first, layer0, depth, tuple(positions),
+                          time.perf_counter() - started)
+
+
+def _layer0_error(model: LlamaModel, pool: KvPool, table: torch.Tensor,
+                  ids: torch.Tensor) -> float:
+    n = ids.shape[0]
+    positions = torch.arange(n, dtype=torch.int64, device=ids.device)
+    k, v = model.layer0_kv(ids, positions)  # [n, Hkv, D] each
+    received = model.ops.pack_kv(pool.k[0], pool.v[0], table, 0, n)  # [2, n, Hkv, D]
+    return max(relative_error(received[0], k), relative_error(received[1], v))
+
+
+def _depth_error(model: LlamaModel, pool: KvPool, pages: list[int], table: torch.Tensor,
+                 ids: torch.Tensor, positions: list[int]) -> tuple[float, int, torch.Tensor]:
+    """-> (largest per-layer error, its layer, logits [m, vocab] with the last position first)."""
+    device = ids.device
+    page_size = pool.page_size
+    slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in positions],
+                         dtype=torch.int64, device=device)  # [m]
+    sent = _gather(pool, slots)  # [L, 2, m, Hkv, D], before the step overwrites the slots
+    where = torch.tensor(positions, dtype=torch.int64, device=device)
+    batch = DecodeBatch(
+        token_ids=ids[where], positions=where, slot_mapping=slots,
+        page_table=table.unsqueeze(0).expand(len(positions), -1).contiguous(),
+        seq_lens=(where + 1).to(torch.int32))
+    logits = model.decode(batch, pool.k, pool.v)
+    mine = _gather(pool, slots)
+    errors = [relative_error(sent[layer], mine[layer]) for layer in range(sent.shape[0])]
+    worst = max(range(len(errors)), key=errors.__getitem__)
+    return errors[worst], worst, logits
+
+
+def _gather(pool: KvPool, slots: torch.Tensor) -> torch.Tensor:
+    """K and V of the given slots in every layer: [L, 2, m, Hkv, D] (a copy)."""
+    k = pool.k.flatten(1, 2)[:, slots]  # [L, m, Hkv, D]
+    v = pool.v.flatten(1, 2)[:, slots]
+    return torch.stack((k, v), dim=1)
+
+
+def refusal_if_not_finite(tracker: FiniteTracker, request_id: str) -> HandoffRefused | None:
+    if tracker.all_finite(request_id):
+        return None
+    return refuse("KV_NOT_FINITE", "the received KV holds NaN or infinite values")
