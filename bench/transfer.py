@@ -31,6 +31,7 @@ import torch
 
 from bench.synthetic_prefill import (FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, PoolOnlyModel,
                                      SyntheticSpec, serve_in_process)
+from common.handoff.binding import new_nonce
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
 from common.handoff.verifier import Expectation
 from common.kvpool.kv_cache import KvPool, PoolConfig
@@ -88,7 +89,7 @@ class DecodeSide:
         barrier = f"{request_id}-barrier"
         await self._reserve(request_id, num_tokens)
         request = handoff_pb2.PrefillRequest(
-            request_id=request_id, token_ids=[1] * num_tokens, protocol_version=protocol_version(),
+            request_id=request_id, token_ids=[1] * num_tokens, protocol_version=protocol_version(), nonce=new_nonce(),
             model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
             max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES)
         expect = Expectation(request_id, num_tokens, self.layout, FINGERPRINT,

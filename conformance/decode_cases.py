@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from common.pb.kvhandoff.v1 import handoff_pb2
+from conformance.decode_binding_cases import binding_cases
 from conformance.decode_edits import (
     drop_chunk,
     duplicate_chunk,
@@ -214,6 +215,7 @@ def decode_cases(stall_deadline: float = 3.0) -> list[DecodeCase]:
                    "refusal beats the client's deadline", lambda i: [
                        *g(i)[:2], Sleep(STALL_SECONDS)],
                    Expect(C.DEADLINE_EXCEEDED, "HANDOFF_TIMEOUT"), deadline=stall_deadline),
+        *binding_cases(),
         _good_case("good_after_refusals", "D-25", "the reference's frames, unchanged, after "
                    "every refusal", lambda i: list(i.ref.original)),
     ]

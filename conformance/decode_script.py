@@ -39,6 +39,7 @@ class ScriptInput:
     request: handoff_pb2.PrefillRequest
     ref: Handoff
     vocab_size: int
+    decoy: Handoff | None = None  # the KV of another prompt of the same length, when asked for
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -69,7 +70,7 @@ class Expect:
 
     def describe(self) -> str:
         if self.code is None:
-            return "tokens; the first is the commit's first_token_id"
+            return "tokens; the first is the honest prefill's first token"
         reason = f"{self.reason}{' or none' if self.reason_optional else ''}"
         return f"{self.code.name} {reason}, no token"
 
@@ -96,6 +97,7 @@ class DecodeCase:
     expect: Expect
     prompt_tokens: Callable[[object], int] | int = DEFAULT_PROMPT_TOKENS
     deadline: float | None = None  # the client's deadline for Generate; None: the suite's
+    decoy: Callable[[list[int], int], list[int]] | None = None  # (prompt, vocab) -> other prompt
 
     @property
     def expectation(self) -> str:

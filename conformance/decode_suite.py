@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from conformance.binding import MIN_NONCE_BYTES
 from conformance.decode_cases import decode_cases
 from conformance.decode_script import DecodeCase, tokens
 from conformance.fake_prefill import Exchange, FakePrefill, passthrough
@@ -78,7 +79,11 @@ async def play(t: DecodeTarget, case: DecodeCase) -> CaseRun:
     prompt = prompt_ids(n, t.vocab_size, zlib.crc32(case.case_id.encode()))
     t.fake.exchanges.clear()
     t.fake.script = case.script
-    run = await generate(t, prompt, case.deadline)
+    t.fake.decoy = case.decoy
+    try:
+        run = await generate(t, prompt, case.deadline)
+    finally:
+        t.fake.decoy = None
     run.exchanges = list(t.fake.exchanges)
     for exchange in run.exchanges:  # decode must have ended (or cancelled) its prefill call
         try:
@@ -100,14 +105,14 @@ def check_run(case: DecodeCase, run: CaseRun) -> list[str]:
         problems.append("[D-24] decode left its prefill call open after the request ended")
     expect, out = case.expect, run.outcome
     if expect.code is None:
-        commit = first.last_commit_sent()
+        honest = first.reference_first_token
         if out.code != grpc.StatusCode.OK:
             problems.append(f"[D-25] a good handoff failed: {out.describe()}")
         elif not run.tokens:
             problems.append("[D-25] a good handoff produced no token")
-        elif commit is not None and run.tokens[0] != commit.first_token_id:
-            problems.append(f"[D-25] first token {run.tokens[0]} is not the commit's "
-                            f"first_token_id {commit.first_token_id}")
+        elif honest is not None and run.tokens[0] != honest:
+            problems.append(f"[D-48] first token {run.tokens[0]} is not the honest prefill's "
+                            f"{honest} (decode must stream its own, never a forged one)")
         return problems
     if run.tokens:
         problems.append(f"[D-24] {len(run.tokens)} token(s) emitted for a refused handoff")
@@ -129,12 +134,16 @@ def _as_case(case: DecodeCase) -> Case[DecodeTarget]:
 async def _request_well_formed(t: DecodeTarget) -> list[str]:
     runs = [await play(t, DecodeCase("request_well_formed", "D-03", "MUST", "", passthrough,
                                      tokens(), prompt_tokens=5 + k)) for k in range(2)]
-    problems, ids = [], []
+    problems, ids, nonces = [], [], []
     for run in runs:
         if not run.exchanges:
             return [f"[D-03] decode never called the fake prefill ({run.outcome.describe()})"]
         r = run.exchanges[0].request
         ids.append(r.request_id)
+        nonces.append(r.nonce)
+        if r.protocol_version.minor < 1 or len(r.nonce) < MIN_NONCE_BYTES:
+            problems.append(f"[D-40] PrefillRequest speaks 1.{r.protocol_version.minor} with a "
+                            f"{len(r.nonce)}-byte nonce; 1.1 needs at least {MIN_NONCE_BYTES}")
         if list(r.token_ids) != run.prompt:
             problems.append(f"[D-03] PrefillRequest token_ids {list(r.token_ids)[:8]}... are "
                             f"not the client's prompt {run.prompt[:8]}...")
@@ -145,6 +154,8 @@ async def _request_well_formed(t: DecodeTarget) -> list[str]:
                             f"served model {t.fake.info.model_fingerprint!r}")
     if not all(ids) or len(set(ids)) != len(ids):
         problems.append(f"[D-03] request ids {ids} are not non-empty and unique")
+    if len(set(nonces)) != len(nonces):
+        problems.append("[D-40] two handoffs carried the same nonce")
     return problems
 
 

@@ -9,6 +9,7 @@ happened: the request, the frames sent, and whether decode cancelled the call.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -33,6 +34,7 @@ class Exchange:
     request: handoff_pb2.PrefillRequest
     sent: list[Frame | bytes] = field(default_factory=list)
     cancelled: bool = False
+    reference_first_token: int | None = None  # what an honest prefill answered
     error: str = ""  # set when the fake could not play its script (e.g. the reference failed)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -61,6 +63,8 @@ class FakePrefill:
     def __init__(self, reference: str) -> None:
         self.reference = reference
         self.script: Script = passthrough
+        # set for cases that need the KV of another prompt of the same length: prompt -> decoy
+        self.decoy: Callable[[list[int], int], list[int]] | None = None
         self.exchanges: list[Exchange] = []
         self.info: handoff_pb2.GetPrefillInfoResponse | None = None
         self._channel: grpc.aio.Channel | None = None
@@ -99,6 +103,16 @@ class FakePrefill:
         stub = handoff_pb2_grpc.HandoffServiceStub(self._channel)
         return await stub.GetPrefillInfo(request, timeout=REFERENCE_TIMEOUT)
 
+    async def _decoy(self, request: handoff_pb2.PrefillRequest, timeout: float):
+        """The reference's handoff of the decoy prompt (same length, same nonce), if wanted."""
+        if self.decoy is None:
+            return None
+        other = handoff_pb2.PrefillRequest()
+        other.CopyFrom(request)
+        other.request_id = f"{request.request_id}-decoy"
+        other.token_ids[:] = self.decoy(list(request.token_ids), self.info.vocab_size)
+        return await read_handoff(self._channel, other, timeout)
+
     async def _prefill(self, request: handoff_pb2.PrefillRequest, context):
         exchange = Exchange(request)
         self.exchanges.append(exchange)
@@ -107,9 +121,13 @@ class FakePrefill:
             remaining = context.time_remaining()  # pass decode's deadline on to the reference
             timeout = REFERENCE_TIMEOUT if remaining is None else min(remaining, REFERENCE_TIMEOUT)
             received = await read_handoff(self._channel, request, timeout)
+            decoy = await self._decoy(request, timeout)
             try:
                 ref = Handoff.from_frames(received.frames)
-                steps = script(ScriptInput(request, ref, self.info.vocab_size))
+                exchange.reference_first_token = ref.commit.first_token_id
+                steps = script(ScriptInput(request, ref, self.info.vocab_size,
+                                           None if decoy is None else
+                                           Handoff.from_frames(decoy.frames)))
             except Exception as exc:
                 exchange.error = (f"could not build the scripted handoff from the reference "
                                   f"({received.kinds()[:4]}, {received.outcome.describe()}): "

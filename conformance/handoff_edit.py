@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.pb.kvhandoff.v1 import handoff_pb2
+from conformance.binding import chunk_crc, commit_crc
 from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, token_bytes
 from conformance.wire import crc32c
 
@@ -25,11 +26,26 @@ def commit(c: handoff_pb2.HandoffCommit) -> Frame:
 
 
 def chunk(request_id: str, seq: int, layer: int, start: int, end: int, k: bytes, v: bytes,
-          crc: int | None = None) -> Frame:
-    """A chunk frame; crc defaults to the right CRC-32C of k and v."""
-    return Frame(chunk=handoff_pb2.KvChunk(
+          crc: int | None = None, nonce: bytes = b"", chunk_crc32c: int | None = None) -> Frame:
+    """A chunk frame; crc and chunk_crc32c default to the right checksums of what it carries."""
+    c = handoff_pb2.KvChunk(
         request_id=request_id, sequence_number=seq, layer=layer, token_start=start,
-        token_end=end, k=k, v=v, crc32c=crc32c(k, v) if crc is None else crc))
+        token_end=end, k=k, v=v, crc32c=crc32c(k, v) if crc is None else crc, nonce=nonce)
+    c.chunk_crc32c = chunk_crc(c) if chunk_crc32c is None else chunk_crc32c
+    return Frame(chunk=c)
+
+
+def resealed(frame: Frame) -> Frame:
+    """The frame with its 1.1 checksum recomputed over what it now carries (a tamperer who
+    recomputes checksums: only the content checks can catch what it changed)."""
+    out = Frame()
+    out.CopyFrom(frame)
+    if out.HasField("chunk"):
+        out.chunk.crc32c = crc32c(out.chunk.k, out.chunk.v)
+        out.chunk.chunk_crc32c = chunk_crc(out.chunk)
+    elif out.HasField("commit"):
+        out.commit.commit_crc32c = commit_crc(out.commit)
+    return out
 
 
 @dataclass
@@ -81,11 +97,13 @@ class Handoff:
         return self.k[layer][lo:hi] + pad, self.v[layer][lo:hi] + pad
 
     def chunk(self, seq: int, layer: int, start: int, end: int, **overrides) -> Frame:
-        """A chunk of this handoff's KV; overrides (request_id, k, v, crc) replace fields."""
+        """A chunk of this handoff's KV, with its nonce; overrides (request_id, k, v, crc,
+        nonce, chunk_crc32c) replace fields."""
         if "k" not in overrides or "v" not in overrides:
             k, v = self.kv(layer, start, end)
             overrides.setdefault("k", k)
             overrides.setdefault("v", v)
+        overrides.setdefault("nonce", self.header.nonce)
         request_id = overrides.pop("request_id", self.request_id)
         return chunk(request_id, seq, layer, start, end, **overrides)
 
@@ -114,21 +132,25 @@ class Handoff:
         return header(h)
 
     def commit_with(self, **fields) -> Frame:
+        """The reference commit with fields changed; its checksum recomputed unless given."""
         c = handoff_pb2.HandoffCommit()
         c.CopyFrom(self.commit)
         for name, value in fields.items():
             setattr(c, name, value)
+        if "commit_crc32c" not in fields:
+            c.commit_crc32c = commit_crc(c)
         return commit(c)
 
 
 def renumber(frames: list[Frame]) -> list[Frame]:
-    """Sequence numbers 0, 1, 2, ... over the chunks, in order (crc is unaffected)."""
+    """Sequence numbers 0, 1, 2, ... over the chunks, in order (chunk_crc32c recomputed)."""
     out, seq = [], 0
     for f in frames:
         if f.HasField("chunk"):
             g = Frame()
             g.CopyFrom(f)
             g.chunk.sequence_number = seq
+            g.chunk.chunk_crc32c = chunk_crc(g.chunk)
             seq += 1
             f = g
         out.append(f)

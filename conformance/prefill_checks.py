@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from common.pb.kvhandoff.v1 import handoff_pb2
+from conformance.binding import chunk_crc, commit_crc, digest_of
 from conformance.spec import (
     DEFAULT_MAX_CHUNK_BYTES,
     ERROR_DOMAIN,
@@ -42,6 +43,8 @@ def check_handoff(request: handoff_pb2.PrefillRequest, info: handoff_pb2.GetPref
     header = received.frames[0].header
     problems += _check_header(header, rid, n, info)
     problems += _check_chunks(received.chunks, rid, n, info.layout, request.max_chunk_bytes)
+    if request.protocol_version.minor >= 1:
+        problems += _check_binding(request, received)
     commits = [f.commit for f in received.frames if f is not None and f.HasField("commit")]
     if commits:
         c = commits[-1]
@@ -58,6 +61,33 @@ def check_handoff(request: handoff_pb2.PrefillRequest, info: handoff_pb2.GetPref
             problems.append(f"[P-07] first token {c.first_token_id} outside the vocabulary "
                             f"of {info.vocab_size}")
     return problems[: MAX_PROBLEMS * 3]
+
+
+def _check_binding(request: handoff_pb2.PrefillRequest, received: Received) -> list[str]:
+    """1.1 (P-41..P-43): every frame echoes the nonce; the header's digest is the prompt's;
+    every chunk's and the commit's checksum match what they carry."""
+    problems: list[str] = []
+    frames = [f for f in received.frames if f is not None and f.WhichOneof("frame")]
+    for index, f in enumerate(frames):
+        kind = f.WhichOneof("frame")
+        inner = getattr(f, kind)
+        if inner.nonce != request.nonce:
+            problems.append(f"[P-41] frame {index} ({kind}) does not echo the request's nonce")
+        elif kind == "chunk" and inner.chunk_crc32c != chunk_crc(inner):
+            problems.append(f"[P-43] frame {index}: chunk_crc32c {inner.chunk_crc32c:#010x} does "
+                            f"not match its metadata and payload")
+        elif kind == "commit" and inner.commit_crc32c != commit_crc(inner):
+            problems.append(f"[P-43] commit_crc32c {inner.commit_crc32c:#010x} does not match "
+                            f"the commit's fields")
+        if len(problems) >= MAX_PROBLEMS:
+            return problems
+    if frames and frames[0].HasField("header"):
+        if frames[0].header.protocol_version.minor < 1:
+            problems.append(f"[P-41] a 1.{request.protocol_version.minor} request answered with "
+                            f"protocol 1.{frames[0].header.protocol_version.minor}")
+        if frames[0].header.prompt_digest != digest_of(list(request.token_ids)):
+            problems.append("[P-42] header prompt_digest is not SHA-256 of the prompt's ids")
+    return problems
 
 
 def _check_header(header, rid: str, n: int, info) -> list[str]:

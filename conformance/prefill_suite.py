@@ -7,17 +7,19 @@ and checks the prefill's pool (StatsService) is back at its idle reading after e
 from __future__ import annotations
 
 import asyncio
+import secrets
 import uuid
 from dataclasses import dataclass
 
 import grpc
 
 from common.pb.kvhandoff.v1 import common_pb2, handoff_pb2, handoff_pb2_grpc
+from conformance.binding import MIN_NONCE_BYTES
 from conformance.pool import PoolWatch
 from conformance.prefill_checks import check_handoff, check_rejection
 from conformance.report import CaseResult, Selection
 from conformance.runner import Case, NotApplicable, prompt_ids, run_cases
-from conformance.spec import DTYPE_BYTES, PROTOCOL_MAJOR, token_bytes
+from conformance.spec import DTYPE_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR, token_bytes
 from conformance.wire import read_handoff, unknown_field
 
 MAX_AT_LIMIT_TOKENS = 4096  # the at-limit case uses min(max_prompt_tokens, this)
@@ -32,7 +34,9 @@ class PrefillTarget:
     timeout: float
 
     def request(self, case_id: str, token_ids: list[int], **fields) -> handoff_pb2.PrefillRequest:
-        version = fields.pop("protocol_version", common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR))
+        version = fields.pop("protocol_version", common_pb2.ProtocolVersion(
+            major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR))
+        fields.setdefault("nonce", secrets.token_bytes(MIN_NONCE_BYTES))
         return handoff_pb2.PrefillRequest(
             request_id=fields.pop("request_id", f"conf-{case_id}-{uuid.uuid4().hex[:12]}"),
             token_ids=token_ids, protocol_version=version,
@@ -73,6 +77,9 @@ async def _check_info(t: PrefillTarget) -> list[str]:
         problems.append(f"[P-16] layout dtype {i.layout.dtype} is not a KvDtype value")
     if not any(v.major == PROTOCOL_MAJOR for v in i.protocol_versions):
         problems.append(f"[G-02] protocol_versions {list(i.protocol_versions)} lacks major 1")
+    elif not any(v.major == PROTOCOL_MAJOR and v.minor >= PROTOCOL_MINOR
+                 for v in i.protocol_versions):
+        problems.append(f"[P-44] protocol_versions {list(i.protocol_versions)} lacks 1.1")
     if not 0 < i.max_prompt_tokens <= i.max_context_tokens:
         problems.append(f"[P-16] max_prompt_tokens {i.max_prompt_tokens} not in "
                         f"(0, max_context_tokens {i.max_context_tokens}]")
@@ -151,6 +158,16 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
                           major=PROTOCOL_MAJOR, minor=999)),
         _handoff_case("unknown_field_ignored", 5, 8, "a request with an unknown field is served",
                       rule="G-04", extra=unknown_field()),
+        _handoff_case("handoff_1_0_request", 5, 15, "a 1.0 request (no nonce) is served",
+                      rule="G-03", nonce=b"", protocol_version=common_pb2.ProtocolVersion(
+                          major=PROTOCOL_MAJOR, minor=0)),
+        _handoff_case("binding_long_prompt", lambda t: min(3 * t.info.page_size + 5,
+                                                           t.info.max_prompt_tokens), 16,
+                      "1.1: every frame echoes the nonce, the digest and checksums match",
+                      rule="P-41..P-43", max_chunk_bytes=three_token_chunks),
+        _rejection_case("reject_short_nonce", "P-40", "NONCE_INVALID", "a 1.1 request with a "
+                        "15-byte nonce: REJECTED, INVALID_ARGUMENT", lambda t: t.prompt(3, 17),
+                        nonce=bytes(MIN_NONCE_BYTES - 1)),
         _rejection_case("reject_empty_prompt", "P-08", "EMPTY_PROMPT", "empty prompt: REJECTED "
                         "header only, then INVALID_ARGUMENT", lambda t: []),
         _rejection_case("reject_out_of_vocab", "P-08", "TOKEN_OUT_OF_VOCAB", "id == vocab_size: "

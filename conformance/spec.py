@@ -10,6 +10,7 @@ from common.pb.kvhandoff.v1 import common_pb2
 C = grpc.StatusCode
 
 PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 1  # the suite speaks 1.1: a nonce in every request, the binding checked
 ERROR_DOMAIN = "kvhandoff.v1"
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 
@@ -41,6 +42,12 @@ REFUSAL_STATUS: dict[str, grpc.StatusCode] = {
     "FIRST_TOKEN_INVALID": C.INTERNAL,
     "HANDOFF_TIMEOUT": C.DEADLINE_EXCEEDED,
     "PEER_UNAVAILABLE": C.UNAVAILABLE,
+    "NONCE_MISMATCH": C.INTERNAL,
+    "PROMPT_DIGEST_MISMATCH": C.INTERNAL,
+    "FRAME_CHECKSUM_MISMATCH": C.DATA_LOSS,
+    "KV_NOT_FINITE": C.DATA_LOSS,
+    "KV_LAYER0_MISMATCH": C.DATA_LOSS,
+    "KV_DEPTH_MISMATCH": C.DATA_LOSS,
 }
 
 # Prefill's rejections: header.reason_code (= ErrorInfo reason) -> status of its gRPC error.
@@ -54,6 +61,7 @@ REJECTION_STATUS: dict[str, grpc.StatusCode] = {
     "VERSION_UNSUPPORTED": C.FAILED_PRECONDITION,
     "MODEL_MISMATCH": C.FAILED_PRECONDITION,
     "CHUNK_LIMIT_TOO_SMALL": C.INVALID_ARGUMENT,
+    "NONCE_INVALID": C.INVALID_ARGUMENT,
 }
 
 

@@ -1,4 +1,4 @@
-"""Decode's check of a handoff's KV *content* (SPEC.md D-33..D-36): after the commit verified
+"""Decode's check of a handoff's KV *content* (SPEC.md D-45..D-48): after the commit verified
 the form, and before the sequence joins the batch, decode proves that the KV in its pages is the
 KV of the prompt it sent.
 

@@ -133,8 +133,8 @@ class HandoffVerifier:
         self.state = HandoffState.RECEIVING
 
     def _check_header_binding(self, header: handoff_pb2.HandoffHeader) -> None:
-        """1.1: the nonce echoed and the digest of the prompt prefill computed (D-28, D-29);
-        a 1.0 header only when the operator allowed it (D-32)."""
+        """1.1: the nonce echoed and the digest of the prompt prefill computed (D-41, D-42);
+        a 1.0 header only when the operator allowed it (D-44)."""
         if header.protocol_version.minor < PROTOCOL_MINOR_BOUND:
             if not self.expect.allow_protocol_1_0:
                 raise self._fail("VERSION_UNSUPPORTED", "prefill answered with protocol "

@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from common.errors import error_reason
+from common.handoff.binding import new_nonce
 from common.handoff.layout import protocol_version
 from common.pb.kvhandoff.v1 import handoff_pb2
 from tests.helpers.cluster import generate, handoff_stub, start_cluster
@@ -61,7 +62,7 @@ def test_prefill_itself_rejects_beyond_its_pool_without_kv(cluster):
     before = cluster.prefill.stats().counters.get("forward_passes", 0)
     n = PREFILL_POOL + 1
     request = handoff_pb2.PrefillRequest(request_id="direct-1", token_ids=[7] * n,
-                                         protocol_version=protocol_version())
+                                         protocol_version=protocol_version(), nonce=new_nonce())
     frames = []
     with grpc.insecure_channel(cluster.prefill.address) as channel:
         with pytest.raises(grpc.RpcError) as info:

@@ -22,10 +22,12 @@ KINDS = ("flip_byte", "set_field", "drop", "duplicate", "swap", "truncate", "ins
 FIELDS = {
     "header": ("request_id", "token_count", "status", "model_fingerprint", "reason",
                "reason_code", "protocol_version.major", "protocol_version.minor",
-               "layout.num_layers", "layout.num_kv_heads", "layout.head_dim", "layout.dtype"),
+               "layout.num_layers", "layout.num_kv_heads", "layout.head_dim", "layout.dtype",
+               "nonce", "prompt_digest"),
     "chunk": ("request_id", "sequence_number", "layer", "token_start", "token_end", "k", "v",
-              "crc32c"),
-    "commit": ("request_id", "token_count", "chunk_count", "first_token_id", "status", "reason"),
+              "crc32c", "nonce", "chunk_crc32c"),
+    "commit": ("request_id", "token_count", "chunk_count", "first_token_id", "status", "reason",
+               "nonce", "commit_crc32c"),
 }
 ENUM_RANGE = {"status": 8, "layout.dtype": 5}
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from common.handoff.binding import new_nonce
 from common.handoff.codec import bytes_to_kv
 from common.handoff.layout import KvLayout, protocol_version
 from common.kvpool.kv_cache import KvPool, PoolConfig
@@ -62,7 +63,7 @@ def reference():
 def _handoff(address: str, request_id: str, prompt: list[int]):
     """-> (frames, grpc error or None)."""
     request = handoff_pb2.PrefillRequest(request_id=request_id, token_ids=prompt,
-                                         protocol_version=protocol_version())
+                                         protocol_version=protocol_version(), nonce=new_nonce())
     frames = []
     with grpc.insecure_channel(address) as channel:
         try:

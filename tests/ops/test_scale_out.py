@@ -33,13 +33,15 @@ PROMPT = list(range(3, 20))
 # paused with SIGSTOP, it keeps that stream in flight on the server.
 HOLDER = """
 import sys, grpc
+from common.handoff.binding import new_nonce
 from common.handoff.layout import protocol_version
 from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 stub = handoff_pb2_grpc.HandoffServiceStub(grpc.insecure_channel(sys.argv[1]))
 info = stub.GetPrefillInfo(handoff_pb2.GetPrefillInfoRequest(), timeout=10)
 call = stub.Prefill(handoff_pb2.PrefillRequest(
     request_id="held", token_ids=[3 + i % 90 for i in range(4000)],
-    protocol_version=protocol_version(), model_fingerprint=info.model_fingerprint), timeout=300)
+    protocol_version=protocol_version(), nonce=new_nonce(),
+    model_fingerprint=info.model_fingerprint), timeout=300)
 next(call)
 print("open", flush=True)
 for _ in call:

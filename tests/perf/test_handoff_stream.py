@@ -12,6 +12,7 @@ import torch
 
 from bench.synthetic_prefill import (FINGERPRINT, PAGE_SIZE, VOCAB, PoolOnlyModel, SyntheticSpec,
                                      _capacity, random_pool)
+from common.handoff.binding import new_nonce
 from common.handoff.codec import bytes_to_kv
 from common.handoff.layout import KvLayout, protocol_version
 from common.handoff.reasons import HandoffRefused
@@ -54,7 +55,7 @@ async def _start_prefill(pool_tokens: int = 1024):
 
 def _request(request_id: str, tokens: int) -> handoff_pb2.PrefillRequest:
     return handoff_pb2.PrefillRequest(
-        request_id=request_id, token_ids=[3] * tokens, protocol_version=protocol_version(),
+        request_id=request_id, token_ids=[3] * tokens, protocol_version=protocol_version(), nonce=new_nonce(),
         model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
         max_chunk_bytes=MAX_CHUNK)
 
