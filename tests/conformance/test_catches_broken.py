@@ -18,6 +18,20 @@ DECODE_VARIANTS = {
     "decode_skips_checksum": ({"checksum_payload", "checksum_field"}, "good_passthrough"),
     "decode_ignores_request_id": ({"request_id_header", "request_id_chunk", "request_id_commit"},
                                   "good_passthrough"),
+    "decode_ignores_nonce": ({"nonce_header_other", "nonce_header_missing", "nonce_chunk_other",
+                              "replay_old_nonce"}, "good_passthrough"),
+    "decode_ignores_digest": ({"digest_other_prompt", "digest_missing"}, "good_passthrough"),
+    "decode_skips_frame_checksums": ({"chunk_checksum_field", "chunk_labels_swapped",
+                                      "commit_checksum_field", "first_token_forged_unsealed"},
+                                     "good_passthrough"),
+    "decode_accepts_protocol_1_0": ({"version_1_0"}, "good_passthrough"),
+    "decode_skips_finite_check": ({"kv_nan", "kv_inf"}, "good_passthrough"),
+    "decode_skips_layer0_check": ({"kv_placeholder_padded", "kv_other_prompt",
+                                   "kv_layer0_zero"}, "good_passthrough"),
+    "decode_skips_depth_check": ({"kv_last_layer_zero", "kv_layers_swapped",
+                                  "kv_deep_layers_of_other_prompt", "kv_stale_range"},
+                                 "good_passthrough"),
+    "decode_streams_prefill_first_token": ({"first_token_forged"}, "good_passthrough"),
 }
 PREFILL_VARIANTS = {
     "prefill_chunks_after_rejected": ({"reject_empty_prompt", "reject_out_of_vocab",
@@ -26,6 +40,11 @@ PREFILL_VARIANTS = {
     "prefill_placeholder_over_length": ({"reject_over_window"}, "handoff_one_token"),
     "prefill_drops_a_chunk": ({"handoff_one_token", "handoff_small_chunks",
                                "concurrent_handoffs"}, "reject_over_window"),
+    "prefill_forgets_nonce": ({"binding_long_prompt", "handoff_one_token"},
+                              "handoff_1_0_request"),
+    "prefill_digest_of_other_tokens": ({"binding_long_prompt", "handoff_one_token"},
+                                       "handoff_1_0_request"),
+    "prefill_accepts_short_nonce": ({"reject_short_nonce"}, "handoff_one_token"),
 }
 
 

@@ -68,6 +68,112 @@ def decode_ignores_request_id() -> None:
         lambda self, frame_name, request_id: None))
 
 
+class _Lens:
+    """A frame seen with some attributes replaced, every other attribute the frame's own."""
+
+    def __init__(self, frame, **fields) -> None:
+        self._frame = frame
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str):
+        return getattr(self._frame, name)
+
+
+def decode_ignores_nonce() -> None:
+    """D-41 broken: a frame's nonce is never compared."""
+    _patch(HandoffVerifier, "_check_nonce", lambda original: (
+        lambda self, frame_name, nonce: None))
+
+
+def decode_ignores_digest() -> None:
+    """D-42 broken: the header's prompt digest is taken to be right."""
+    def make(original):
+        def _check_header_binding(self, header):
+            return original(self, _Lens(header, prompt_digest=self.expect.prompt_digest))
+        return _check_header_binding
+    _patch(HandoffVerifier, "_check_header_binding", make)
+
+
+def decode_skips_frame_checksums() -> None:
+    """D-43 broken: chunk and commit checksums are never compared (each frame is checked with
+    the checksum of what it carries)."""
+    from common.handoff.binding import chunk_checksum, chunk_metadata, commit_checksum
+
+    def make_chunk(original):
+        def _on_chunk(self, chunk):
+            crc = google_crc32c.extend(google_crc32c.value(bytes(chunk.k)), bytes(chunk.v))
+            meta = chunk_metadata(chunk.request_id, self.expect.nonce, chunk.sequence_number,
+                                  chunk.layer, chunk.token_start, chunk.token_end)
+            return original(self, _Lens(chunk, chunk_crc32c=chunk_checksum(crc, meta)))
+        return _on_chunk
+
+    def make_commit(original):
+        def _on_commit(self, commit):
+            crc = commit_checksum(commit.request_id, self.expect.nonce, commit.token_count,
+                                  commit.chunk_count, commit.first_token_id, commit.status)
+            return original(self, _Lens(commit, commit_crc32c=crc))
+        return _on_commit
+    _patch(HandoffVerifier, "_on_chunk", make_chunk)
+    _patch(HandoffVerifier, "_on_commit", make_commit)
+
+
+def decode_accepts_protocol_1_0() -> None:
+    """D-44 broken: a 1.0 (unbound) handoff is accepted without the operator's flag."""
+    def make(original):
+        def _check_header_binding(self, header):
+            self.expect = dataclasses.replace(self.expect, allow_protocol_1_0=True)
+            return original(self, header)
+        return _check_header_binding
+    _patch(HandoffVerifier, "_check_header_binding", make)
+
+
+def decode_skips_finite_check() -> None:
+    """D-45 broken: non-finite KV values are not looked for."""
+    import decode_svc.engine as engine
+
+    _patch_module(engine, "refusal_if_not_finite", lambda original: (
+        lambda tracker, request_id: None))
+
+
+def decode_skips_layer0_check() -> None:
+    """D-46 broken: layer 0 is not recomputed (its error reads as 0)."""
+    import decode_svc.content_check as content
+
+    _patch_module(content, "_layer0_error", lambda original: (
+        lambda model, pool, table, ids: 0.0))
+
+
+def decode_skips_depth_check() -> None:
+    """D-47 broken: the depth step runs (for the first token) but its K/V are not compared."""
+    import decode_svc.content_check as content
+
+    def make(original):
+        def _depth_error(*args):
+            _, layer, logits = original(*args)
+            return 0.0, layer, logits
+        return _depth_error
+    _patch_module(content, "_depth_error", make)
+
+
+def decode_streams_prefill_first_token() -> None:
+    """D-48 broken: the checks run, but the commit's first_token_id is streamed."""
+    from decode_svc.servicer import GenerationServicer
+
+    def make(original):
+        async def _check_content(self, handoff, *args):
+            await original(self, handoff, *args)
+            return handoff.advisory_first_token
+        return _check_content
+    _patch(GenerationServicer, "_check_content", make)
+
+
+def _patch_module(module, name: str, make: Callable) -> None:
+    original = getattr(module, name, None)
+    if original is None:
+        raise RuntimeError(f"{module.__name__}.{name} no longer exists; update the variant")
+    setattr(module, name, make(original))
+
+
 # ---- prefill --------------------------------------------------------------------------------
 def _servicer():
     from prefill_svc.servicer import HandoffServicer
@@ -135,6 +241,30 @@ def prefill_drops_a_chunk() -> None:
     _patch(PrefillEngine, "_emit_layer", make)
 
 
+def prefill_forgets_nonce() -> None:
+    """P-41 broken: chunks carry no nonce (their checksums made without one)."""
+    import prefill_svc.engine as engine
+
+    _patch_module(engine, "chunk_wire", lambda original: (
+        lambda request_id, seq, layer, start, kv, nonce=b"": original(
+            request_id, seq, layer, start, kv)))
+
+
+def prefill_digest_of_other_tokens() -> None:
+    """P-42 broken: the header's digest covers all but the last token."""
+    import prefill_svc.servicer as servicer
+
+    _patch_module(servicer, "prompt_digest", lambda original: (
+        lambda token_ids: original(list(token_ids)[:-1])))
+
+
+def prefill_accepts_short_nonce() -> None:
+    """P-40 broken: a 1.1 request's nonce length is not checked."""
+    import prefill_svc.validation as validation
+
+    validation.NONCE_BYTES = 0
+
+
 VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "decode_accepts_aborted": ("decode", decode_accepts_aborted),
     "decode_trusts_token_count": ("decode", decode_trusts_token_count),
@@ -143,6 +273,17 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "prefill_chunks_after_rejected": ("prefill", prefill_chunks_after_rejected),
     "prefill_placeholder_over_length": ("prefill", prefill_placeholder_over_length),
     "prefill_drops_a_chunk": ("prefill", prefill_drops_a_chunk),
+    "decode_ignores_nonce": ("decode", decode_ignores_nonce),
+    "decode_ignores_digest": ("decode", decode_ignores_digest),
+    "decode_skips_frame_checksums": ("decode", decode_skips_frame_checksums),
+    "decode_accepts_protocol_1_0": ("decode", decode_accepts_protocol_1_0),
+    "decode_skips_finite_check": ("decode", decode_skips_finite_check),
+    "decode_skips_layer0_check": ("decode", decode_skips_layer0_check),
+    "decode_skips_depth_check": ("decode", decode_skips_depth_check),
+    "decode_streams_prefill_first_token": ("decode", decode_streams_prefill_first_token),
+    "prefill_forgets_nonce": ("prefill", prefill_forgets_nonce),
+    "prefill_digest_of_other_tokens": ("prefill", prefill_digest_of_other_tokens),
+    "prefill_accepts_short_nonce": ("prefill", prefill_accepts_short_nonce),
 }
 
 
