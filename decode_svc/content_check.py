@@ -44,8 +44,8 @@ class ContentTolerance:
 # Measured in SPEC.md section 7.4 (largest legitimate difference seen, then a margin).
 TOLERANCES: dict[torch.dtype, ContentTolerance] = {
     torch.float32: ContentTolerance(layer0=1e-3, depth=5e-3),
-    torch.float16: ContentTolerance(layer0=1e-2, depth=5e-2),
-    torch.bfloat16: ContentTolerance(layer0=5e-2, depth=2e-1),
+    torch.float16: ContentTolerance(layer0=2e-2, depth=5e-2),
+    torch.bfloat16: ContentTolerance(layer0=1e-1, depth=2.5e-1),
 }
 
 
