@@ -9,12 +9,14 @@ from conformance.decode_binding_edits import (
     NAN,
     another_prompt,
     chunk_checksum_off,
+    chunk_moved_from_layer_below,
     commit_checksum_off,
     decoy_kv,
     digest_of_other_prompt,
     forged_first_token,
     middle_chunk_nonce,
     middle_layer_range_stale,
+    one_token_negated,
     other_nonce,
     placeholder_padded,
     poisoned_value,
@@ -83,6 +85,12 @@ def binding_cases() -> list[DecodeCase]:
         _case("kv_stale_range", "D-47", "a middle layer's second half holds stale KV of another "
               "prompt", middle_layer_range_stale, "KV_DEPTH_MISMATCH",
               prompt_tokens=LONG_PROMPT, decoy=another_prompt),
+        _case("kv_one_token_middle_layer", "D-47", "one token's K and V negated in a middle "
+              "layer (caught through attention at the last position)", one_token_negated,
+              "KV_DEPTH_MISMATCH"),
+        _case("kv_chunk_moved_layer", "D-47", "a middle layer's middle third holds the layer "
+              "below's KV, relabelled", chunk_moved_from_layer_below, "KV_DEPTH_MISMATCH",
+              prompt_tokens=LONG_PROMPT),
         DecodeCase("first_token_forged", "D-48", "MUST", "commit first token changed and its "
                    "checksum recomputed", lambda i: forged_first_token(i, sealed=True), tokens()),
     ]

@@ -168,3 +168,36 @@ def middle_layer_range_stale(i: ScriptInput) -> list[Step]:
     return _with_layers(i, k, v)
 
 
+
+
+ELEMENT_BYTES = {common_pb2.KV_DTYPE_FLOAT32: 4, common_pb2.KV_DTYPE_FLOAT16: 2,
+                 common_pb2.KV_DTYPE_BFLOAT16: 2}
+
+
+def _negated(data: bytes, element: int) -> bytes:
+    """Every little-endian float of data with its sign flipped."""
+    out = bytearray(data)
+    out[element - 1::element] = bytes(b ^ 0x80 for b in out[element - 1::element])
+    return bytes(out)
+
+
+def one_token_negated(i: ScriptInput) -> list[Step]:
+    """K and V of one token in the middle of a middle layer negated (not the last position)."""
+    layer, per = i.ref.num_layers // 2, i.ref.token_bytes
+    at = (i.ref.token_count // 2) * per
+    element = ELEMENT_BYTES[i.ref.header.layout.dtype]
+    k, v = list(i.ref.k), list(i.ref.v)
+    k[layer] = k[layer][:at] + _negated(k[layer][at:at + per], element) + k[layer][at + per:]
+    v[layer] = v[layer][:at] + _negated(v[layer][at:at + per], element) + v[layer][at + per:]
+    return _with_layers(i, k, v)
+
+
+def chunk_moved_from_layer_below(i: ScriptInput) -> list[Step]:
+    """A middle layer's middle third holds the layer below's KV for that range: a chunk moved
+    to another layer, relabelled and resealed (coverage stays exact)."""
+    layer, per, n = i.ref.num_layers // 2, i.ref.token_bytes, i.ref.token_count
+    lo, hi = (n // 3) * per, (2 * n // 3) * per
+    k, v = list(i.ref.k), list(i.ref.v)
+    k[layer] = k[layer][:lo] + i.ref.k[layer - 1][lo:hi] + k[layer][hi:]
+    v[layer] = v[layer][:lo] + i.ref.v[layer - 1][lo:hi] + v[layer][hi:]
+    return _with_layers(i, k, v)
