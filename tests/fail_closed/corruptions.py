@@ -11,14 +11,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from google.protobuf.message import DecodeError
 from hypothesis import strategies as st
 
-from common.pb.kvhandoff.v1 import handoff_pb2
+from common.pb.kvhandoff.v1 import common_pb2, handoff_pb2
+from conformance.handoff_edit import resealed
 from conformance.prefill_checks import check_handoff
 from conformance.wire import Received
 
-KINDS = ("flip_byte", "set_field", "drop", "duplicate", "swap", "truncate", "insert_empty")
+KINDS = ("flip_byte", "set_field", "drop", "duplicate", "swap", "truncate", "insert_empty",
+         "reseal_value")
+# reseal_value changes one K or V value where decode's content checks see every value (layer 0,
+# or the last prompt position in any layer) by at least one rms of its layer, or makes it NaN,
+# then recomputes every checksum: a well-formed handoff whose content is wrong.
 FIELDS = {
     "header": ("request_id", "token_count", "status", "model_fingerprint", "reason",
                "reason_code", "protocol_version.major", "protocol_version.minor",
@@ -30,6 +36,7 @@ FIELDS = {
                "nonce", "commit_crc32c"),
 }
 ENUM_RANGE = {"status": 8, "layout.dtype": 5}
+NUMPY_DTYPES = {common_pb2.KV_DTYPE_FLOAT32: np.float32, common_pb2.KV_DTYPE_FLOAT16: np.float16}
 
 
 @dataclass(frozen=True)
@@ -61,7 +68,48 @@ class Corruption:
             frames = frames[:i]
         elif self.kind == "insert_empty":
             frames.insert(self.where % (len(frames) + 1), b"")
+        elif self.kind == "reseal_value":
+            frames = _reseal_value(frames, self.where, self.other, self.value)
         return frames
+
+
+def _parsed(data: bytes) -> handoff_pb2.PrefillResponse | None:
+    try:
+        return handoff_pb2.PrefillResponse.FromString(data)
+    except DecodeError:
+        return None
+
+
+def _reseal_value(frames: list[bytes], where: int, other: int, value: int) -> list[bytes]:
+    parsed = [_parsed(f) for f in frames]
+    header = next((f.header for f in parsed if f is not None and f.HasField("header")), None)
+    if header is None or header.layout.dtype not in NUMPY_DTYPES:
+        return frames
+    n, dtype = header.token_count, NUMPY_DTYPES[header.layout.dtype]
+    per_token = header.layout.num_kv_heads * header.layout.head_dim
+    targets = [i for i, f in enumerate(parsed) if f is not None and f.HasField("chunk")
+               and (f.chunk.layer == 0 or f.chunk.token_start < n <= f.chunk.token_end)]
+    if not targets:
+        return frames
+    index = targets[where % len(targets)]
+    c = parsed[index].chunk
+    part = "k" if other % 2 else "v"
+    values = np.frombuffer(getattr(c, part), dtype=dtype).copy()
+    if values.size == 0:
+        return frames
+    last = (n - 1 - c.token_start) * per_token
+    if c.layer == 0:  # any value of layer 0; else one of the last position's
+        at = (other // 2) % values.size
+    else:
+        at = last + (other // 2) % per_token
+    if at >= values.size:
+        return frames
+    rms = float(np.sqrt(np.mean(values.astype(np.float64) ** 2))) or 1.0
+    values[at] = np.nan if value % 9 == 0 else values[at] + (1 + value % 8) * max(rms, 1.0)
+    setattr(c, part, values.tobytes())
+    frames = list(frames)
+    frames[index] = resealed(parsed[index]).SerializeToString()
+    return frames
 
 
 def _set_field(data: bytes, pick: int, value: int) -> bytes:

@@ -1,6 +1,9 @@
 """Property: for random corruptions of a valid handoff, decode emits a token exactly when the
 corrupted stream is still a valid handoff by the spec (byte-identical or changed only where the
-protocol cannot tell), and refuses with no token otherwise; its pool always returns to baseline."""
+protocol cannot tell), and refuses with no token otherwise; its pool always returns to baseline.
+
+Corruptions change framing and also payload values with every checksum recomputed
+(`reseal_value`): such a stream is well formed, and only decode's content checks refuse it."""
 
 from __future__ import annotations
 
@@ -27,9 +30,13 @@ def test_decode_never_emits_for_a_corrupted_handoff(harness):
 
         def script(i: ScriptInput) -> list[bytes]:
             frames = [f.SerializeToString() for f in i.good()]
+            seen["content"] = False
             for change in changes:
-                frames = change.apply(frames)
-            seen["valid"] = still_valid(i.request, harness.fake.info, frames)
+                changed = change.apply(frames)
+                seen["content"] |= change.kind == "reseal_value" and changed != frames
+                frames = changed
+            seen["valid"] = (still_valid(i.request, harness.fake.info, frames)
+                             and not seen["content"])
             seen["identical"] = frames == [f.SerializeToString() for f in i.good()]
             return frames
 
@@ -37,6 +44,7 @@ def test_decode_never_emits_for_a_corrupted_handoff(harness):
         assert run.exchanges and not run.exchanges[0].error, run.outcome.describe()
         verdict = "identical" if seen["identical"] else "valid" if seen["valid"] else "corrupt"
         verdicts[verdict] += 1
+        verdicts["content"] += seen["content"]
         if verdict == "corrupt":
             assert run.tokens == [], f"{changes}: {run.tokens}"
             assert run.outcome.code != grpc.StatusCode.OK
@@ -48,3 +56,4 @@ def test_decode_never_emits_for_a_corrupted_handoff(harness):
 
     check()
     assert verdicts["corrupt"] >= 10, verdicts  # the property was exercised, not vacuous
+    assert verdicts["content"] >= 2, verdicts  # and payload values were corrupted, resealed
