@@ -1,7 +1,7 @@
 """`kvhandoff bench ttft`: the transfer time a disaggregated handoff leaves exposed, as
 TTFT(disaggregated) - TTFT(same engine in one process, decode --local-prefill).
 
-    kvhandoff bench ttft [--lengths 512,2048,8192] [--repeats 5] [--json OUT]
+    kvhandoff bench ttft [--lengths 512,2048,8192] [--repeats 5] [--compare-checks] [--json OUT]
 
 One request at a time (max_tokens 1), so TTFT is prefill plus, when disaggregated, the part of
 the KV transfer that per-layer streaming does not hide behind compute. Both deployments run
@@ -9,6 +9,10 @@ at once and take turns, request by request; the exposed time is the median of th
 differences. The demo model's window
 is 4096 positions; for longer prompts the benchmark writes the demo weights into a checkpoint
 with a longer window (RoPE needs nothing else) in a temporary directory.
+
+With --compare-checks a third deployment runs beside them: the disaggregated pair with decode's
+content checks off (--no-content-checks), so the checks' cost is a paired difference too; the
+checks' own time per request is read from decode's `handoff_content_verified` log lines.
 """
 
 from __future__ import annotations
@@ -29,6 +33,22 @@ from common.pb.kvhandoff.v1 import generate_pb2_grpc
 from common.server.grpc_server import run_async
 
 DEMO_WINDOW = 4096
+UNCHECKED = "disaggregated-unchecked"
+
+
+def verify_seconds(decode_log: Path) -> dict[int, list[float]]:
+    """Content-check seconds per prompt length, from decode's JSON log lines."""
+    out: dict[int, list[float]] = {}
+    if not decode_log.exists():
+        return out
+    for line in decode_log.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if event.get("event") == "handoff_content_verified":
+            out.setdefault(int(event["prompt_tokens"]), []).append(float(event["seconds"]))
+    return out
 
 
 def write_long_demo(root: Path, max_positions: int) -> Path:
@@ -80,6 +100,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="demo")
     p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     p.add_argument("--server-args", default="", help="extra flags for every service")
+    p.add_argument("--compare-checks", action="store_true",
+                   help="also run the pair with decode's content checks off, to price them")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
@@ -91,18 +113,23 @@ def main(argv: list[str]) -> int:
         pool = max(window // 16 + 2, 256) * 16  # whole pages, at least the window
         flags = ["--model", model, "--pool-tokens", str(pool), "--max-context-tokens",
                  str(window), *args.server_args.split()]
-        deployments = []
+        plans = [(mode, mode, []) for mode in MODES]
+        if args.compare_checks:
+            plans.insert(1, (UNCHECKED, "disaggregated", ["--no-content-checks"]))
+        deployments = {}
         try:
-            for mode in MODES:
-                print(f"[{mode}] starting services ...", file=sys.stderr, flush=True)
-                deployments.append(start_deployment(mode, flags, Path(tmp), args.torch_threads))
+            for name, mode, decode_flags in plans:
+                print(f"[{name}] starting services ...", file=sys.stderr, flush=True)
+                deployments[name] = start_deployment(mode, flags, Path(tmp) / name,
+                                                     args.torch_threads, decode_flags)
             per_mode = run_async(lambda: _ttfts(
-                {d.mode: d.address for d in deployments}, lengths, args.repeats,
+                {name: d.address for name, d in deployments.items()}, lengths, args.repeats,
                 model_vocab_size(model),
                 lambda text: print(f"\r[ttft] {text}   ", end="", file=sys.stderr, flush=True)))
             print(file=sys.stderr)
+            verify_s = verify_seconds(Path(tmp) / "disaggregated" / "disaggregated" / "decode.log")
         finally:
-            for deployment in deployments:
+            for deployment in deployments.values():
                 deployment.stop()
     rows = []
     for length in lengths:
@@ -114,7 +141,16 @@ def main(argv: list[str]) -> int:
         rows.append({"prompt_tokens": length, "ttft_disaggregated_ms": disaggregated * 1e3,
                      "ttft_local_ms": local * 1e3, "exposed_ms": exposed * 1e3,
                      "exposed_share": exposed / disaggregated,
-                     "samples_ms": {m: [t * 1e3 for t in per_mode[m][length]] for m in MODES}})
+                     "samples_ms": {m: [t * 1e3 for t in per_mode[m][length]] for m in per_mode}})
+        checks = verify_s.get(length, [])
+        rows[-1]["verify_ms"] = statistics.median(checks) * 1e3 if checks else None
+        if args.compare_checks:
+            unchecked = per_mode[UNCHECKED][length]
+            cost = statistics.median(a - b for a, b in zip(per_mode["disaggregated"][length],
+                                                            unchecked))
+            rows[-1] |= {"ttft_unchecked_ms": statistics.median(unchecked) * 1e3,
+                         "checks_cost_ms": cost * 1e3,
+                         "checks_cost_share": cost / statistics.median(unchecked)}
     print(f"model {args.model}, {args.torch_threads} torch threads per service, medians of "
           f"{args.repeats} rounds")
     print(f"{'prompt':>7} {'TTFT disagg ms':>15} {'TTFT local ms':>14} {'exposed ms':>11} "
@@ -122,6 +158,16 @@ def main(argv: list[str]) -> int:
     for r in rows:
         print(f"{r['prompt_tokens']:>7} {r['ttft_disaggregated_ms']:>15.1f} "
               f"{r['ttft_local_ms']:>14.1f} {r['exposed_ms']:>11.1f} {r['exposed_share']:>13.1%}")
+    print(f"\n{'prompt':>7} {'checks ms (log)':>16} {'TTFT unchecked ms':>18} "
+          f"{'paired cost ms':>15} {'cost / TTFT':>12}")
+    for r in rows:
+        verify = "-" if r["verify_ms"] is None else f"{r['verify_ms']:.1f}"
+        if "checks_cost_ms" in r:
+            print(f"{r['prompt_tokens']:>7} {verify:>16} {r['ttft_unchecked_ms']:>18.1f} "
+                  f"{r['checks_cost_ms']:>15.1f} {r['checks_cost_share']:>11.1%}")
+        else:
+            print(f"{r['prompt_tokens']:>7} {verify:>16} (run with --compare-checks for the "
+                  f"paired cost)")
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "ttft", "model": args.model,
                                          "torch_threads": args.torch_threads, "rows": rows},

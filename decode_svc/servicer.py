@@ -153,7 +153,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             return handoff.advisory_first_token
         verdict: ContentVerdict = await engine_answer(
             lambda done: self.engine.verify(request_id, token_ids, sampling, done))
-        log.info("handoff_content_verified", layer0_error=round(verdict.layer0_error, 8),
+        log.info("handoff_content_verified", prompt_tokens=len(token_ids),
+                 layer0_error=round(verdict.layer0_error, 8),
                  depth_error=round(verdict.depth_error, 8), positions=list(verdict.positions),
                  seconds=round(verdict.seconds, 5))
         if verdict.first_token_id != handoff.advisory_first_token:

@@ -12,7 +12,7 @@ from conformance.prefill_suite import prefill_cases
 from conformance.spec import REFUSAL_STATUS, REJECTION_STATUS
 
 SPEC = (Path(__file__).resolve().parents[2] / "protos" / "kvhandoff" / "v1" / "SPEC.md").read_text()
-ROW = re.compile(r"^\| ([A-Z_]+) \| ([^|]+) \| ([^|]+) \|$", re.MULTILINE)
+ROW = re.compile(r"^\| ([A-Z][A-Z0-9_]+) \| ([^|]+) \| ([^|]+) \|$", re.MULTILINE)
 
 
 def _table(heading: str) -> dict[str, tuple[str, str]]:
