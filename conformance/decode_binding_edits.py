@@ -201,3 +201,20 @@ def chunk_moved_from_layer_below(i: ScriptInput) -> list[Step]:
     k[layer] = k[layer][:lo] + i.ref.k[layer - 1][lo:hi] + k[layer][hi:]
     v[layer] = v[layer][:lo] + i.ref.v[layer - 1][lo:hi] + v[layer][hi:]
     return _with_layers(i, k, v)
+
+
+def as_protocol_1_0(i: ScriptInput) -> list[Step]:
+    """The handoff as a 1.0 prefill sends it: header minor 0, no nonce, digest or checksums."""
+    out: list[Step] = []
+    for f in i.good():
+        g = Frame()
+        g.CopyFrom(f)
+        inner = getattr(g, g.WhichOneof("frame"))
+        inner.ClearField("nonce")
+        for name in ("prompt_digest", "chunk_crc32c", "commit_crc32c"):
+            if name in inner.DESCRIPTOR.fields_by_name:
+                inner.ClearField(name)
+        if g.HasField("header"):
+            g.header.protocol_version.minor = 0
+        out.append(g)
+    return out

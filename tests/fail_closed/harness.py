@@ -39,7 +39,7 @@ class BackgroundLoop:
 
 
 class DecodeHarness:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, decode_flags: tuple[str, ...] = ()) -> None:
         self.bg = BackgroundLoop()
         self.prefill: Service | None = None
         self.decode: Service | None = None
@@ -49,7 +49,7 @@ class DecodeHarness:
             self.fake = FakePrefill(self.prefill.address)
             fake_port = self.bg.run(self.fake.start("127.0.0.1:0"))
             self.decode = start_service("decode", workdir / "decode", [
-                *DECODE_FLAGS, "--prefill", f"127.0.0.1:{fake_port}"])
+                *DECODE_FLAGS, *decode_flags, "--prefill", f"127.0.0.1:{fake_port}"])
             self.target = self.bg.run(open_target(self.decode.address, self.fake, timeout=60,
                                                   settle_timeout=15, wait=60))
             self.metrics_url = f"http://127.0.0.1:{self._metrics_port()}/metrics"
@@ -76,6 +76,16 @@ class DecodeHarness:
                 if record.get("event") == event and record.get("request_id") == request_id:
                     lines.append(record)
         return lines
+
+    def stats_counters(self) -> dict[str, int]:
+        """decode's StatsService counters."""
+        from common.pb.kvhandoff.v1 import stats_pb2, stats_pb2_grpc
+
+        async def read():
+            stub = stats_pb2_grpc.StatsServiceStub(self.target.channel)
+            return await stub.GetStats(stats_pb2.GetStatsRequest(), timeout=10)
+
+        return dict(self.bg.run(read()).counters)
 
     def refused_counts(self) -> dict[str, float]:
         """kvhandoff_refused_total{role="decode"} by reason, scraped from /metrics."""
