@@ -7,6 +7,7 @@ and checks the prefill's pool (StatsService) is back at its idle reading after e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import grpc
 from common.pb.kvhandoff.v1 import common_pb2, handoff_pb2, handoff_pb2_grpc
 from conformance.pool import PoolWatch
 from conformance.prefill_checks import check_handoff, check_rejection
+from conformance.prefill_content import ReferencePrefill, kv_layers_distinct, kv_matches_reference
 from conformance.report import CaseResult, Selection
 from conformance.runner import Case, NotApplicable, prompt_ids, run_cases
 from conformance.spec import DTYPE_BYTES, PROTOCOL_MAJOR, token_bytes
@@ -30,8 +32,11 @@ class PrefillTarget:
     info: handoff_pb2.GetPrefillInfoResponse
     pool: PoolWatch
     timeout: float
+    reference: ReferencePrefill | None = None
+    kv_tolerance: float | None = None  # None: KV_TOLERANCE of the layout's dtype
 
     def request(self, case_id: str, token_ids: list[int], **fields) -> handoff_pb2.PrefillRequest:
+        """protocol_version=None leaves the field unset (it then reads as 0.0)."""
         version = fields.pop("protocol_version", common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR))
         return handoff_pb2.PrefillRequest(
             request_id=fields.pop("request_id", f"conf-{case_id}-{uuid.uuid4().hex[:12]}"),
@@ -165,6 +170,9 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
         _rejection_case("reject_major_version", "G-02", "VERSION_UNSUPPORTED", "protocol 2.0: "
                         "REJECTED header only, then FAILED_PRECONDITION", lambda t: t.prompt(3, 10),
                         protocol_version=common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR + 1)),
+        _rejection_case("reject_missing_version", "G-02", "VERSION_UNSUPPORTED", "no "
+                        "protocol_version (reads as 0.0): REJECTED header only, then "
+                        "FAILED_PRECONDITION", lambda t: t.prompt(3, 15), protocol_version=None),
         _rejection_case("reject_missing_request_id", "P-08", "MISSING_REQUEST_ID", "empty "
                         "request_id: REJECTED header only, then INVALID_ARGUMENT",
                         lambda t: t.prompt(3, 12), request_id=""),
@@ -176,6 +184,11 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
                         level="SHOULD", model_fingerprint="not-the-served-model"),
         Case("cancel_mid_stream", "P-13", "MUST", "cancel after the first chunk: the pool is "
              "back at its baseline shortly after", _cancel_mid_stream),
+        Case("kv_matches_reference", "P-17", "MUST", "KV of 1 token and of 4 pages + 3 equal "
+             "the --reference-prefill's within the dtype's tolerance (skipped without one)",
+             kv_matches_reference),
+        Case("kv_layers_distinct", "P-17", "MUST", "no layer's K or V equals another layer's "
+             "(e.g. layer 0's KV sent for every layer)", kv_layers_distinct),
         Case("concurrent_handoffs", "P-14", "MUST", f"{CONCURRENT_HANDOFFS} concurrent handoffs "
              "are each well formed, with their own request id", _concurrent),
         Case("final_pool_idle", "G-07", "MUST", "after every case the pool is as before the first",
@@ -183,14 +196,25 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
     ]
 
 
+async def _info(channel: grpc.aio.Channel, timeout: float) -> handoff_pb2.GetPrefillInfoResponse:
+    return await handoff_pb2_grpc.HandoffServiceStub(channel).GetPrefillInfo(
+        handoff_pb2.GetPrefillInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+
 async def run_prefill_suite(target: str, selection: Selection, timeout: float,
-                            settle_timeout: float, progress=None) -> list[CaseResult]:
+                            settle_timeout: float, progress=None, reference: str | None = None,
+                            kv_tolerance: float | None = None) -> list[CaseResult]:
     options = [("grpc.max_receive_message_length", 256 << 20)]
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        info = await handoff_pb2_grpc.HandoffServiceStub(channel).GetPrefillInfo(
-            handoff_pb2.GetPrefillInfoRequest(), timeout=timeout, wait_for_ready=True)
+    async with contextlib.AsyncExitStack() as stack:
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(target, options))
+        info = await _info(channel, timeout)
+        trusted = None
+        if reference:
+            ref_channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(reference, options))
+            trusted = ReferencePrefill(ref_channel, await _info(ref_channel, timeout))
         pool = PoolWatch(channel)
         await pool.take_baseline()
-        t = PrefillTarget(channel, info, pool, timeout)
+        t = PrefillTarget(channel, info, pool, timeout, trusted, kv_tolerance)
         return await run_cases(prefill_cases(), t, selection,
                                lambda: pool.settled(settle_timeout), progress)
