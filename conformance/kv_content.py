@@ -31,6 +31,10 @@ class HandoffKv:
     def num_layers(self) -> int:
         return self.k.shape[0]
 
+    def head(self, tokens: int) -> HandoffKv:
+        """The KV of the first `tokens` positions."""
+        return HandoffKv(self.k[:, :tokens], self.v[:, :tokens])
+
 
 def _floats(data: bytes, dtype: int) -> np.ndarray:
     """Little-endian wire elements of `dtype` as float32 (bfloat16: the high half of a float32)."""
@@ -68,7 +72,8 @@ def scaled_error(target: np.ndarray, reference: np.ndarray) -> float:
     return float("inf") if not np.isfinite(err).all() else float(err.max())
 
 
-def compare_to_reference(target: HandoffKv, reference: HandoffKv, tol: float) -> list[str]:
+def compare_to_reference(target: HandoffKv, reference: HandoffKv, tol: float,
+                         against: str = "the reference prefill's") -> list[str]:
     """Problems where the target's KV differ from the reference's by more than tol."""
     problems = []
     for layer in range(reference.num_layers):
@@ -78,8 +83,8 @@ def compare_to_reference(target: HandoffKv, reference: HandoffKv, tol: float) ->
                 diff = np.abs(a[layer] - b[layer])
                 token = int(np.unravel_index(np.nanargmax(diff), diff.shape)[0]) if np.isfinite(
                     diff).any() else 0
-                problems.append(f"[P-17] layer {layer} {name} differs from the reference prefill's "
-                                f"by {err:.3g} (tolerance {tol:g}; worst at token {token})")
+                problems.append(f"[P-17] layer {layer} {name} differs from {against} by "
+                                f"{err:.3g} (tolerance {tol:g}; worst at token {token})")
     return problems
 
 

@@ -1,6 +1,8 @@
 """Prefill cases on the KV *content* (SPEC.md P-17): against a trusted reference prefill when
 the suite was given one (`--reference-prefill`), and without one, that no layer's K or V is a
-copy of another layer's (e.g. layer 0's KV sent for every layer)."""
+copy of another layer's (e.g. layer 0's KV sent for every layer) and that the KV of a prompt's
+first tokens are those of that shorter prompt (a causal model's KV at a position depend only on
+the tokens up to it: the KV of another prompt breaks this)."""
 
 from __future__ import annotations
 
@@ -64,6 +66,21 @@ async def kv_matches_reference(t: PrefillTarget) -> list[str]:
             return [f"the reference prefill's handoff is not well formed: {found[0]}"]
         problems += [f"{n} tokens: {p}" for p in compare_to_reference(mine, theirs, _tolerance(t))]
     return problems
+
+
+async def kv_prefix_consistent(t: PrefillTarget) -> list[str]:
+    n = max(content_prompt_lengths(t))
+    if n < 2:
+        raise NotApplicable("the prompt limit is one token")
+    prompt, m = t.prompt(n, 42), n // 2
+    found, whole = await _served_kv(t, t.channel, t.info, "kv_prefix_whole", prompt)
+    if found:
+        return [f"{n} tokens: {p}" for p in found]
+    found, head = await _served_kv(t, t.channel, t.info, "kv_prefix_head", prompt[:m])
+    if found:
+        return [f"{m} tokens: {p}" for p in found]
+    return compare_to_reference(whole.head(m), head, _tolerance(t),
+                                f"the KV of the prompt's first {m} tokens alone")
 
 
 async def kv_layers_distinct(t: PrefillTarget) -> list[str]:

@@ -16,7 +16,12 @@ import grpc
 from common.pb.kvhandoff.v1 import common_pb2, handoff_pb2, handoff_pb2_grpc
 from conformance.pool import PoolWatch
 from conformance.prefill_checks import check_handoff, check_rejection
-from conformance.prefill_content import ReferencePrefill, kv_layers_distinct, kv_matches_reference
+from conformance.prefill_content import (
+    ReferencePrefill,
+    kv_layers_distinct,
+    kv_matches_reference,
+    kv_prefix_consistent,
+)
 from conformance.report import CaseResult, Selection
 from conformance.runner import Case, NotApplicable, prompt_ids, run_cases
 from conformance.spec import DTYPE_BYTES, PROTOCOL_MAJOR, token_bytes
@@ -189,6 +194,8 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
              kv_matches_reference),
         Case("kv_layers_distinct", "P-17", "MUST", "no layer's K or V equals another layer's "
              "(e.g. layer 0's KV sent for every layer)", kv_layers_distinct),
+        Case("kv_prefix_consistent", "P-17", "MUST", "the KV of a prompt's first half equal "
+             "the KV of that half alone, within the tolerance", kv_prefix_consistent),
         Case("concurrent_handoffs", "P-14", "MUST", f"{CONCURRENT_HANDOFFS} concurrent handoffs "
              "are each well formed, with their own request id", _concurrent),
         Case("final_pool_idle", "G-07", "MUST", "after every case the pool is as before the first",

@@ -6,7 +6,8 @@
 starts two real prefills of the demo model, one on the torch ops and one on the Triton kernels
 (through the Triton interpreter on a CPU), asks both for the same prompts, and prints per length
 the max |a - b| and the scaled error max |a - b| / (1 + |b|) that the suite compares with its
-tolerance.
+tolerance, and on each backend the scaled error between the KV of a prompt's first half and the
+KV of that half alone (the kv_prefix_consistent case).
 """
 
 from __future__ import annotations
@@ -47,15 +48,25 @@ async def _kv(address: str, prompt: list[int], rid: str):
         return handoff_kv(received, info.layout, len(prompt))
 
 
+def _error(x, y) -> float:
+    return max(scaled_error(x.k, y.k), scaled_error(x.v, y.v))
+
+
 async def _measure(a: str, b: str, lengths: list[int]) -> None:
-    print(f"{'tokens':>6}  {'max_abs_diff':>12}  {'scaled_error':>12}  {'max_abs_value':>13}")
+    print(f"{'tokens':>6}  {'max_abs_diff':>12}  {'scaled_error':>12}  {'max_abs_value':>13}  "
+          f"{'prefix_error_a':>14}  {'prefix_error_b':>14}")
     for n in lengths:
         prompt = prompt_ids(n, 96, 1000 + n)
         x = await _kv(a, prompt, f"probe-a-{n}")
         y = await _kv(b, prompt, f"probe-b-{n}")
-        err = max(scaled_error(x.k, y.k), scaled_error(x.v, y.v))
+        prefix = ["-", "-"]
+        if n >= 2:
+            m = n // 2
+            prefix = [f"{_error(whole.head(m), await _kv(addr, prompt[:m], f'probe-h-{n}')):.3e}"
+                      for whole, addr in ((x, a), (y, b))]
         top = float(max(abs(y.k).max(), abs(y.v).max()))
-        print(f"{n:>6}  {max_abs_diff(x, y):>12.3e}  {err:>12.3e}  {top:>13.3f}", flush=True)
+        print(f"{n:>6}  {max_abs_diff(x, y):>12.3e}  {_error(x, y):>12.3e}  {top:>13.3f}  "
+              f"{prefix[0]:>14}  {prefix[1]:>14}", flush=True)
 
 
 def main(argv: list[str]) -> int:

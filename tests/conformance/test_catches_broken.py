@@ -37,8 +37,10 @@ PREFILL_VARIANTS = {
     # the copied layers are caught with and without the reference
     "prefill_layer0_everywhere": ({"kv_matches_reference", "kv_layers_distinct"},
                                   "handoff_one_token"),
-    # only the reference shows another prompt's KV: its layers differ as a real model's do
-    "prefill_kv_of_another_prompt": ({"kv_matches_reference"}, "kv_layers_distinct"),
+    # another prompt's KV: its layers differ as a real model's do, but it matches neither the
+    # reference nor, without one, the KV of its own prompt's first half
+    "prefill_kv_of_another_prompt": ({"kv_matches_reference", "kv_prefix_consistent"},
+                                     "kv_layers_distinct"),
 }
 
 

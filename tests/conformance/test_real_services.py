@@ -22,7 +22,7 @@ def test_prefill_passes_every_case(reference_prefill, tmp_path):
     assert run.returncode == 0, run.output
     assert run.outcomes and set(run.outcomes.values()) == {"pass"}, run.output
     assert {"reject_beyond_pool", "kv_matches_reference", "kv_layers_distinct",
-            "reject_missing_version"} <= set(run.outcomes)
+            "kv_prefix_consistent", "reject_missing_version"} <= set(run.outcomes)
 
 
 def test_decode_passes_every_case(reference_prefill, tmp_path):
