@@ -172,7 +172,7 @@ async def _long_prompt_forwarded(t: DecodeTarget) -> list[str]:
     return _forwarded_problems(run) + check_run(case, run)
 
 
-def _over_limit_case(case_id: str, expect: Expect, length) -> Case[DecodeTarget]:
+def _over_limit_case(case_id: str, summary: str, expect: Expect, length) -> Case[DecodeTarget]:
     """A prompt over decode's limits: refused with `expect`, and prefill never called."""
     async def run(t: DecodeTarget) -> list[str]:
         n = length(t)
@@ -186,8 +186,11 @@ def _over_limit_case(case_id: str, expect: Expect, length) -> Case[DecodeTarget]
         if (out.code, out.reason) != (expect.code, expect.reason):
             problems.append(f"[D-28] {n} tokens: got {out.describe()}; expected "
                             f"{expect.code.name} reason={expect.reason}")
+        elif out.domain != ERROR_DOMAIN:
+            problems.append(f"[G-05] ErrorInfo domain {out.domain!r}, expected {ERROR_DOMAIN!r}")
         return problems
-    return Case(case_id, "D-28", "MUST", f"{expect.describe()}, and no Prefill call", run)
+    return Case(case_id, "D-28", "MUST", f"{summary} -> {expect.describe()}, no Prefill call",
+                run)
 
 
 def _beyond_prefill_pool(t: DecodeTarget) -> int:
@@ -221,10 +224,12 @@ def suite_cases(stall_deadline: float = 3.0) -> list[Case[DecodeTarget]]:
              "protocol 1, the model and a fresh request id", _request_well_formed),
         Case("request_long_prompt", "D-03", "MUST", "a prompt of 8 pages + 3 tokens is "
              "forwarded exactly and served", _long_prompt_forwarded),
-        _over_limit_case("prompt_over_window", Expect(C.INVALID_ARGUMENT, "PROMPT_TOO_LONG"),
+        _over_limit_case("prompt_over_window", "window + 1 tokens",
+                         Expect(C.INVALID_ARGUMENT, "PROMPT_TOO_LONG"),
                          lambda t: t.context_window + 1),
-        _over_limit_case("prompt_beyond_prefill_pool",
-                         Expect(C.RESOURCE_EXHAUSTED, "POOL_TOO_SMALL"), _beyond_prefill_pool),
+        _over_limit_case("prompt_beyond_prefill_pool", "prefill's max_prompt_tokens + 1, inside "
+                         "the window", Expect(C.RESOURCE_EXHAUSTED, "POOL_TOO_SMALL"),
+                         _beyond_prefill_pool),
         Case("cancel_after_refusal", "D-29", "MUST", "a bad crc32c, then the stream stays open: "
              f"refused, and the prefill call cancelled within {CANCEL_WITHIN_S:g}s",
              _cancel_after_refusal),
