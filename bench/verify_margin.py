@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -125,6 +126,25 @@ def measure(pair: str, dtype: torch.dtype, handoffs: int, seed: int = 0,
                   tol.depth, disagree, time.perf_counter() - started)
 
 
+def check_cost(lengths_to_time: list[int], repeats: int = 3, backend: str = "torch",
+               device: str = "cpu") -> list[tuple[int, float, float]]:
+    """(prompt tokens, prefill seconds, content-check seconds), medians of repeats, in process:
+    the checks' cost against the prefill they verify, without gRPC or a second process."""
+    model = model_on(backend, torch.float32, device)
+    rng = random.Random(0)
+    rows = []
+    for n in lengths_to_time:
+        prompt = [rng.randrange(2, model.config.vocab_size) for _ in range(n)]
+        prefills, checks = [], []
+        for _ in range(repeats + 1):  # the first round warms up
+            started = time.perf_counter()
+            kv, _ = prefill_kv(model, prompt)
+            prefills.append(time.perf_counter() - started)
+            checks.append(check_on_decode(model, prompt, kv, rng, ContentCheckConfig()).seconds)
+        rows.append((n, statistics.median(prefills[1:]), statistics.median(checks[1:])))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Measure how close legitimate handoffs come "
                                      "to decode's content-check tolerances.")
@@ -136,7 +156,15 @@ def main(argv: list[str] | None = None) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row")
+    parser.add_argument("--timing", default="", help="prompt lengths (comma-separated) at "
+                        "which to time prefill against the content checks, instead of margins")
     args = parser.parse_args(argv)
+    if args.timing:
+        for n, prefill_s, check_s in check_cost([int(x) for x in args.timing.split(",")],
+                                                device=args.device):
+            print(f"{n:6} tokens: prefill {prefill_s * 1e3:8.1f} ms, content checks "
+                  f"{check_s * 1e3:7.1f} ms ({check_s / prefill_s:.1%} of the prefill)")
+        return
     for dtype_name in args.dtypes.split(","):
         for pair in args.pairs.split(","):
             m = measure(pair, getattr(torch, dtype_name), args.handoffs, device=args.device)

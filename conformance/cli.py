@@ -32,6 +32,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="how long a pool may take to return to baseline (s)")
         s.add_argument("--list", action="store_true", help="print the case ids and exit")
         s.add_argument("--quiet", action="store_true", help="print only the table")
+    pre.add_argument("--reference-prefill",
+                     help="HOST:PORT of a trusted prefill of the same model: the KV content case "
+                          "(kv_matches_reference) compares the target's KV with its KV")
+    pre.add_argument("--kv-tolerance", type=float,
+                     help="KV closeness: |a - b| <= tol * (1 + |b|) (default: SPEC.md section 8 "
+                          "per dtype)")
     dec.add_argument("--fake-prefill-listen", required=True,
                      help="HOST:PORT the fake prefill listens on")
     dec.add_argument("--reference-prefill", required=True,
@@ -48,9 +54,9 @@ def _case_ids(role: str) -> list[str]:
         from conformance.prefill_suite import prefill_cases
 
         return [c.case_id for c in prefill_cases()]
-    from conformance.decode_cases import decode_cases
+    from conformance.decode_suite import suite_cases
 
-    return ["request_well_formed", *(c.case_id for c in decode_cases())]
+    return [c.case_id for c in suite_cases()]
 
 
 async def _run(args: argparse.Namespace, selection: Selection) -> list[CaseResult]:
@@ -63,7 +69,8 @@ async def _run(args: argparse.Namespace, selection: Selection) -> list[CaseResul
         from conformance.prefill_suite import run_prefill_suite
 
         return await run_prefill_suite(args.target, selection, args.timeout,
-                                       args.settle_timeout, progress)
+                                       args.settle_timeout, progress, args.reference_prefill,
+                                       args.kv_tolerance)
     from conformance.decode_suite import run_decode_suite
 
     return await run_decode_suite(args.target, args.fake_prefill_listen, args.reference_prefill,

@@ -4,7 +4,7 @@ returns a script that differs from a well-formed handoff in exactly one way."""
 from __future__ import annotations
 
 from common.pb.kvhandoff.v1 import common_pb2, handoff_pb2
-from conformance.decode_script import ScriptInput, Step, middle
+from conformance.decode_script import ScriptInput, Sleep, Step, middle
 from conformance.handoff_edit import Frame, renumber
 from conformance.wire import unknown_field
 
@@ -64,6 +64,35 @@ def overlapping_chunk(i: ScriptInput) -> list[Step]:
     extra = i.ref.chunk(0, first.layer, first.token_end - 1, first.token_end + 1)
     frames = renumber(frames[:2] + [extra] + frames[2:])
     return replace_frame(frames, len(frames) - 1, i.ref.commit_with(chunk_count=len(frames) - 2))
+
+
+def last_chunk_shifted(i: ScriptInput) -> list[Step]:
+    """The last chunk of a middle layer moved one token later, [s+1, n+1): its token s is left
+    uncovered and the count of covered layer-tokens is unchanged, so only the range check of
+    D-13 (end <= token_count) refuses it."""
+    frames = i.good()
+    n, layer = i.ref.token_count, i.ref.num_layers // 2
+    at = max(j for j, f in enumerate(frames) if f.HasField("chunk") and f.chunk.layer == layer)
+    c = frames[at].chunk
+    return replace_frame(frames, at, i.ref.chunk(c.sequence_number, layer, c.token_start + 1,
+                                                 n + 1, k=c.k, v=c.v))
+
+
+def one_token_edges(i: ScriptInput) -> list[Step]:
+    """Every layer cut as [0, 1), [1, n-1) (in pieces within the limit), [n-1, n): one-token
+    chunks at both ends of the prompt."""
+    n, per = i.ref.token_count, i.ref.tokens_per_chunk(i.max_chunk_bytes)
+    cuts = [(0, 1), *((s, min(s + per, n - 1)) for s in range(1, n - 1, per)), (n - 1, n)]
+    return i.good(i.ref.chunks([(layer, s, e) for layer in range(i.ref.num_layers)
+                                for s, e in cuts]))
+
+
+def refusal_then_silence(i: ScriptInput, seconds: float) -> list[Step]:
+    """A header and chunks up to one with a wrong crc32c, then the stream stays open."""
+    frames = i.good()
+    at = middle(frames)
+    bad = edit_chunk(i, crc=frames[at].chunk.crc32c ^ 1)
+    return [*bad[:at + 1], Sleep(seconds)]
 
 
 def drop_chunk(i: ScriptInput, renumbered: bool) -> list[Step]:

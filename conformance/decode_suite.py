@@ -8,6 +8,7 @@ that decode's pool (StatsService) is back at baseline.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -17,16 +18,20 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from conformance.binding import MIN_NONCE_BYTES
-from conformance.decode_cases import decode_cases
-from conformance.decode_script import DecodeCase, tokens
+from conformance.decode_cases import STALL_SECONDS, decode_cases
+from conformance.decode_edits import refusal_then_silence
+from conformance.decode_script import DecodeCase, Expect, refused, tokens
 from conformance.fake_prefill import Exchange, FakePrefill, passthrough
 from conformance.pool import PoolWatch
 from conformance.report import CaseResult, Selection
-from conformance.runner import Case, prompt_ids, run_cases
+from conformance.runner import Case, NotApplicable, prompt_ids, run_cases
 from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, ERROR_DOMAIN, PROTOCOL_MAJOR, token_bytes
 from conformance.wire import RpcOutcome, outcome_of
 
+C = grpc.StatusCode
 MAX_TOKENS = 2
+CANCEL_WITHIN_S = 1.0  # D-29
+CANCEL_CASE_DEADLINE_S = 10.0  # a decode that misses the bad crc fails the case in 10 s, not 120
 
 
 @dataclass
@@ -39,6 +44,9 @@ class DecodeTarget:
     max_prompt_tokens: int = 0
     negotiated_max_chunk: int = DEFAULT_MAX_CHUNK_BYTES
     vocab_size: int = 0
+    context_window: int = 0  # the smaller of decode's and the prefill's max_context_tokens
+    prefill_max_prompt: int = 0  # the longest prompt decode may forward (its and prefill's pools)
+    page_size: int = 16
 
     def oversize_prompt_tokens(self) -> int:
         """A prompt long enough for one layout-consistent chunk over the negotiated maximum,
@@ -55,6 +63,7 @@ class CaseRun:
     tokens: list[int]
     outcome: RpcOutcome
     exchanges: list[Exchange] = field(default_factory=list)
+    ended_at: float = 0.0  # time.monotonic() when the Generate call ended
 
 
 async def generate(t: DecodeTarget, prompt: list[int], deadline: float | None) -> CaseRun:
@@ -70,6 +79,7 @@ async def generate(t: DecodeTarget, prompt: list[int], deadline: float | None) -
                 run.tokens.append(response.token.token_id)
     except grpc.aio.AioRpcError as err:
         run.outcome = outcome_of(err)
+    run.ended_at = time.monotonic()
     return run
 
 
@@ -159,6 +169,85 @@ async def _request_well_formed(t: DecodeTarget) -> list[str]:
     return problems
 
 
+def _forwarded_problems(run: CaseRun) -> list[str]:
+    return [f"[D-03] PrefillRequest has {len(e.request.token_ids)} token ids, not exactly the "
+            f"client's prompt of {len(run.prompt)}" for e in run.exchanges
+            if list(e.request.token_ids) != run.prompt]
+
+
+async def _long_prompt_forwarded(t: DecodeTarget) -> list[str]:
+    n = min(t.max_prompt_tokens, t.prefill_max_prompt, 8 * t.page_size + 3)
+    case = DecodeCase("request_long_prompt", "D-03", "MUST", "", passthrough, tokens(),
+                      prompt_tokens=n)
+    run = await play(t, case)
+    return _forwarded_problems(run) + check_run(case, run)
+
+
+def _over_limit_case(case_id: str, summary: str, expect: Expect, length) -> Case[DecodeTarget]:
+    """A prompt over decode's limits: refused with `expect`, and prefill never called."""
+    async def run(t: DecodeTarget) -> list[str]:
+        n = length(t)
+        run = await play(t, DecodeCase(case_id, "D-28", "MUST", "", passthrough, expect,
+                                       prompt_tokens=n))
+        problems = [f"[D-28] decode called prefill with {len(e.request.token_ids)} of the "
+                    f"{n} tokens of a prompt over its limits" for e in run.exchanges]
+        if run.tokens:
+            problems.append(f"[D-28] {len(run.tokens)} token(s) emitted for a prompt of {n}")
+        out = run.outcome
+        if (out.code, out.reason) != (expect.code, expect.reason):
+            problems.append(f"[D-28] {n} tokens: got {out.describe()}; expected "
+                            f"{expect.code.name} reason={expect.reason}")
+        elif out.domain != ERROR_DOMAIN:
+            problems.append(f"[G-05] ErrorInfo domain {out.domain!r}, expected {ERROR_DOMAIN!r}")
+        return problems
+    return Case(case_id, "D-28", "MUST", f"{summary} -> {expect.describe()}, no Prefill call",
+                run)
+
+
+def _beyond_prefill_pool(t: DecodeTarget) -> int:
+    n = t.prefill_max_prompt + 1
+    if n + MAX_TOKENS - 1 > t.context_window:
+        raise NotApplicable(f"the prompt limit {t.prefill_max_prompt} is the window "
+                            f"{t.context_window}: no prompt is inside it but beyond the pools")
+    return n
+
+
+async def _cancel_after_refusal(t: DecodeTarget) -> list[str]:
+    case = DecodeCase("cancel_after_refusal", "D-29", "MUST", "",
+                      lambda i: refusal_then_silence(i, STALL_SECONDS),
+                      refused("CHECKSUM_MISMATCH"), deadline=CANCEL_CASE_DEADLINE_S)
+    run = await play(t, case)
+    problems = check_run(case, run)
+    for e in run.exchanges:
+        if not e.cancelled:
+            problems.append("[D-29] decode did not cancel its prefill call after refusing")
+        elif e.cancelled_at - run.ended_at > CANCEL_WITHIN_S:
+            problems.append(f"[D-29] decode cancelled its prefill call "
+                            f"{e.cancelled_at - run.ended_at:.2f}s after refusing (limit "
+                            f"{CANCEL_WITHIN_S:g}s)")
+    return problems
+
+
+def suite_cases(stall_deadline: float = 3.0) -> list[Case[DecodeTarget]]:
+    """Every case of the decode suite, in the order run."""
+    return [
+        Case("request_well_formed", "D-03", "MUST", "PrefillRequest carries the prompt, "
+             "protocol 1, the model and a fresh request id", _request_well_formed),
+        Case("request_long_prompt", "D-03", "MUST", "a prompt of 8 pages + 3 tokens is "
+             "forwarded exactly and served", _long_prompt_forwarded),
+        _over_limit_case("prompt_over_window", "window + 1 tokens",
+                         Expect(C.INVALID_ARGUMENT, "PROMPT_TOO_LONG"),
+                         lambda t: t.context_window + 1),
+        _over_limit_case("prompt_beyond_prefill_pool", "prefill's max_prompt_tokens + 1, inside "
+                         "the window", Expect(C.RESOURCE_EXHAUSTED, "POOL_TOO_SMALL"),
+                         _beyond_prefill_pool),
+        Case("cancel_after_refusal", "D-29", "MUST", "a bad crc32c, then the stream stays open: "
+             f"refused, and the prefill call cancelled within {CANCEL_WITHIN_S:g}s",
+             _cancel_after_refusal),
+        *(_as_case(c) for c in decode_cases(stall_deadline)),
+    ]
+
+
 async def wait_serving(channel: grpc.aio.Channel, timeout: float) -> None:
     stub = health_pb2_grpc.HealthStub(channel)
     deadline = time.monotonic() + timeout
@@ -187,7 +276,12 @@ async def open_target(decode: str, fake: FakePrefill, timeout: float, settle_tim
     t = DecodeTarget(channel, fake, pool, timeout, settle_timeout,
                      max_prompt_tokens=int(min(base.max_prompt_tokens,
                                                base.max_context_tokens - MAX_TOKENS)),
-                     vocab_size=fake.info.vocab_size)
+                     vocab_size=fake.info.vocab_size,
+                     context_window=int(min(base.max_context_tokens,
+                                            fake.info.max_context_tokens)),
+                     prefill_max_prompt=int(min(base.max_prompt_tokens or sys.maxsize,
+                                                fake.info.max_prompt_tokens)),
+                     page_size=int(base.page_size or fake.info.page_size))
     probe = await play(t, decode_cases()[0])  # learns decode's max_chunk_bytes
     if probe.exchanges and probe.exchanges[0].request.max_chunk_bytes:
         t.negotiated_max_chunk = probe.exchanges[0].request.max_chunk_bytes
@@ -203,11 +297,7 @@ async def run_decode_suite(decode: str, listen: str, reference: str, selection: 
     try:
         t = await open_target(decode, fake, timeout, settle_timeout, wait)
         try:
-            cases = [Case("request_well_formed", "D-03", "MUST", "PrefillRequest carries the "
-                          "prompt, protocol 1, the model and a fresh request id",
-                          _request_well_formed)]
-            cases += [_as_case(c) for c in decode_cases(stall_deadline)]
-            return await run_cases(cases, t, selection,
+            return await run_cases(suite_cases(stall_deadline), t, selection,
                                    lambda: t.pool.settled(settle_timeout), progress)
         finally:
             await t.channel.close()

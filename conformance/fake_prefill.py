@@ -9,6 +9,7 @@ happened: the request, the frames sent, and whether decode cancelled the call.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,7 @@ class Exchange:
     sent: list[Frame | bytes] = field(default_factory=list)
     cancelled: bool = False
     reference_first_token: int | None = None  # what an honest prefill answered
+    cancelled_at: float | None = None  # time.monotonic() when the cancellation arrived
     error: str = ""  # set when the fake could not play its script (e.g. the reference failed)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -144,7 +146,7 @@ class FakePrefill:
                     exchange.sent.append(step)
                     yield step
         except asyncio.CancelledError:
-            exchange.cancelled = True
+            exchange.cancelled, exchange.cancelled_at = True, time.monotonic()
             raise
         finally:
             exchange.done.set()

@@ -7,6 +7,7 @@ and checks the prefill's pool (StatsService) is back at its idle reading after e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -17,6 +18,12 @@ from common.pb.kvhandoff.v1 import common_pb2, handoff_pb2, handoff_pb2_grpc
 from conformance.binding import MIN_NONCE_BYTES
 from conformance.pool import PoolWatch
 from conformance.prefill_checks import check_handoff, check_rejection
+from conformance.prefill_content import (
+    ReferencePrefill,
+    kv_layers_distinct,
+    kv_matches_reference,
+    kv_prefix_consistent,
+)
 from conformance.report import CaseResult, Selection
 from conformance.runner import Case, NotApplicable, prompt_ids, run_cases
 from conformance.spec import DTYPE_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR, token_bytes
@@ -32,8 +39,12 @@ class PrefillTarget:
     info: handoff_pb2.GetPrefillInfoResponse
     pool: PoolWatch
     timeout: float
+    reference: ReferencePrefill | None = None
+    kv_tolerance: float | None = None  # None: KV_TOLERANCE of the layout's dtype
 
     def request(self, case_id: str, token_ids: list[int], **fields) -> handoff_pb2.PrefillRequest:
+        """A 1.1 request with a fresh nonce unless fields say otherwise; protocol_version=None
+        leaves the field unset (it then reads as 0.0)."""
         version = fields.pop("protocol_version", common_pb2.ProtocolVersion(
             major=PROTOCOL_MAJOR, minor=PROTOCOL_MINOR))
         fields.setdefault("nonce", secrets.token_bytes(MIN_NONCE_BYTES))
@@ -182,6 +193,9 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
         _rejection_case("reject_major_version", "G-02", "VERSION_UNSUPPORTED", "protocol 2.0: "
                         "REJECTED header only, then FAILED_PRECONDITION", lambda t: t.prompt(3, 10),
                         protocol_version=common_pb2.ProtocolVersion(major=PROTOCOL_MAJOR + 1)),
+        _rejection_case("reject_missing_version", "G-02", "VERSION_UNSUPPORTED", "no "
+                        "protocol_version (reads as 0.0): REJECTED header only, then "
+                        "FAILED_PRECONDITION", lambda t: t.prompt(3, 15), protocol_version=None),
         _rejection_case("reject_missing_request_id", "P-08", "MISSING_REQUEST_ID", "empty "
                         "request_id: REJECTED header only, then INVALID_ARGUMENT",
                         lambda t: t.prompt(3, 12), request_id=""),
@@ -193,6 +207,13 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
                         level="SHOULD", model_fingerprint="not-the-served-model"),
         Case("cancel_mid_stream", "P-13", "MUST", "cancel after the first chunk: the pool is "
              "back at its baseline shortly after", _cancel_mid_stream),
+        Case("kv_matches_reference", "P-17", "MUST", "KV of 1 token and of 4 pages + 3 equal "
+             "the --reference-prefill's within the dtype's tolerance (skipped without one)",
+             kv_matches_reference),
+        Case("kv_layers_distinct", "P-17", "MUST", "no layer's K or V equals another layer's "
+             "(e.g. layer 0's KV sent for every layer)", kv_layers_distinct),
+        Case("kv_prefix_consistent", "P-17", "MUST", "the KV of a prompt's first half equal "
+             "the KV of that half alone, within the tolerance", kv_prefix_consistent),
         Case("concurrent_handoffs", "P-14", "MUST", f"{CONCURRENT_HANDOFFS} concurrent handoffs "
              "are each well formed, with their own request id", _concurrent),
         Case("final_pool_idle", "G-07", "MUST", "after every case the pool is as before the first",
@@ -200,14 +221,25 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
     ]
 
 
+async def _info(channel: grpc.aio.Channel, timeout: float) -> handoff_pb2.GetPrefillInfoResponse:
+    return await handoff_pb2_grpc.HandoffServiceStub(channel).GetPrefillInfo(
+        handoff_pb2.GetPrefillInfoRequest(), timeout=timeout, wait_for_ready=True)
+
+
 async def run_prefill_suite(target: str, selection: Selection, timeout: float,
-                            settle_timeout: float, progress=None) -> list[CaseResult]:
+                            settle_timeout: float, progress=None, reference: str | None = None,
+                            kv_tolerance: float | None = None) -> list[CaseResult]:
     options = [("grpc.max_receive_message_length", 256 << 20)]
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        info = await handoff_pb2_grpc.HandoffServiceStub(channel).GetPrefillInfo(
-            handoff_pb2.GetPrefillInfoRequest(), timeout=timeout, wait_for_ready=True)
+    async with contextlib.AsyncExitStack() as stack:
+        channel = await stack.enter_async_context(grpc.aio.insecure_channel(target, options))
+        info = await _info(channel, timeout)
+        trusted = None
+        if reference:
+            ref_channel = await stack.enter_async_context(
+                grpc.aio.insecure_channel(reference, options))
+            trusted = ReferencePrefill(ref_channel, await _info(ref_channel, timeout))
         pool = PoolWatch(channel)
         await pool.take_baseline()
-        t = PrefillTarget(channel, info, pool, timeout)
+        t = PrefillTarget(channel, info, pool, timeout, trusted, kv_tolerance)
         return await run_cases(prefill_cases(), t, selection,
                                lambda: pool.settled(settle_timeout), progress)

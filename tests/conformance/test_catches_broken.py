@@ -32,6 +32,13 @@ DECODE_VARIANTS = {
                                   "kv_deep_layers_of_other_prompt", "kv_stale_range"},
                                  "good_passthrough"),
     "decode_streams_prefill_first_token": ({"first_token_forged"}, "good_passthrough"),
+    "decode_truncates_long_prompt": ({"prompt_over_window", "prompt_beyond_prefill_pool"},
+                                     "good_passthrough"),
+    "decode_forwards_prompt_head": ({"request_long_prompt"}, "good_passthrough"),
+    "decode_accepts_empty_fingerprint": ({"model_fingerprint_empty"}, "good_passthrough"),
+    "decode_cancels_late": ({"cancel_after_refusal"}, "good_passthrough"),
+    "decode_range_end_off_by_one": ({"chunk_range_end_past_count"}, "good_passthrough"),
+    "decode_refuses_one_token_chunks": ({"good_one_token_edges"}, "good_passthrough"),
 }
 PREFILL_VARIANTS = {
     "prefill_chunks_after_rejected": ({"reject_empty_prompt", "reject_out_of_vocab",
@@ -45,6 +52,14 @@ PREFILL_VARIANTS = {
     "prefill_digest_of_other_tokens": ({"binding_long_prompt", "handoff_one_token"},
                                        "handoff_1_0_request"),
     "prefill_accepts_short_nonce": ({"reject_short_nonce"}, "handoff_one_token"),
+    "prefill_accepts_missing_version": ({"reject_missing_version"}, "handoff_one_token"),
+    # the copied layers are caught with and without the reference
+    "prefill_layer0_everywhere": ({"kv_matches_reference", "kv_layers_distinct"},
+                                  "handoff_one_token"),
+    # another prompt's KV: its layers differ as a real model's do, but it matches neither the
+    # reference nor, without one, the KV of its own prompt's first half
+    "prefill_kv_of_another_prompt": ({"kv_matches_reference", "kv_prefix_consistent"},
+                                     "kv_layers_distinct"),
 }
 
 
@@ -65,11 +80,12 @@ def test_suite_fails_broken_decode(variant, reference_prefill, tmp_path):
 
 
 @pytest.mark.parametrize("variant", sorted(PREFILL_VARIANTS))
-def test_suite_fails_broken_prefill(variant, tmp_path):
+def test_suite_fails_broken_prefill(variant, reference_prefill, tmp_path):
     must_fail, still_passes = PREFILL_VARIANTS[variant]
     prefill = start_variant(variant, "prefill", tmp_path / "prefill", PREFILL_FLAGS)
     try:
-        run = run_prefill_suite(prefill.address, tmp_path)
+        run = run_prefill_suite(prefill.address, tmp_path,
+                                ["--reference-prefill", reference_prefill.address])
     finally:
         prefill.stop()
     _assert_caught(run, must_fail, still_passes)

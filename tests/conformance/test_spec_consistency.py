@@ -8,6 +8,7 @@ from pathlib import Path
 
 from common.handoff.reasons import REFUSAL_CODES, REJECTION_CODES
 from conformance.decode_cases import decode_cases
+from conformance.decode_suite import suite_cases
 from conformance.prefill_suite import prefill_cases
 from conformance.spec import REFUSAL_STATUS, REJECTION_STATUS
 
@@ -45,13 +46,14 @@ def test_every_case_names_a_rule_of_the_spec():
     for table in (_table("### 7.1"), _table("### 7.2")):
         for reason, (_, rule_text) in table.items():
             assert set(re.findall(r"[GPD]-\d\d", rule_text)) <= rules, reason
-    cases = [*prefill_cases(), *decode_cases()]
+    cases = [*prefill_cases(), *suite_cases()]
+    assert {c.case_id for c in decode_cases()} <= {c.case_id for c in suite_cases()}
     for case in cases:
         assert set(_rule_ids(case.rule)) <= rules, (case.case_id, case.rule)
 
 
 def test_case_ids_are_unique_and_every_refusal_has_a_case():
-    for cases in (prefill_cases(), decode_cases()):
+    for cases in (prefill_cases(), suite_cases()):
         ids = [c.case_id for c in cases]
         assert len(ids) == len(set(ids))
     covered = {c.expect.reason for c in decode_cases() if c.expect.code is not None}

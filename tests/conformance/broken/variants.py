@@ -3,6 +3,7 @@ before the service starts (it patches classes, so instances made later are affec
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 
@@ -172,6 +173,85 @@ def _patch_module(module, name: str, make: Callable) -> None:
     if original is None:
         raise RuntimeError(f"{module.__name__}.{name} no longer exists; update the variant")
     setattr(module, name, make(original))
+def decode_truncates_long_prompt() -> None:
+    """D-28 broken: a prompt over the limits is cut to its last tokens and served."""
+    from decode_svc import servicer
+
+    def make(original):
+        def validate_generate(ids, request, limits):
+            keep = min(limits.context_window - 1, limits.prefill_max_prompt)
+            return original(ids[-keep:], request, limits)
+        return validate_generate
+    _patch(servicer, "validate_generate", make)
+
+
+def decode_forwards_prompt_head() -> None:
+    """D-03 broken: a valid prompt longer than 64 tokens is forwarded (and served) as its first
+    64 tokens; the handoff it gets back is consistent with what it sent."""
+    from decode_svc import servicer
+    from decode_svc.validation import ValidPrompt
+
+    def make(original):
+        def validate_generate(ids, request, limits):
+            prompt = original(ids, request, limits)
+            return ValidPrompt(prompt.token_ids[:64], prompt.max_tokens)
+        return validate_generate
+    _patch(servicer, "validate_generate", make)
+
+
+def decode_accepts_empty_fingerprint() -> None:
+    """D-09 broken: a header without a model fingerprint is read as naming decode's model."""
+    def make(original):
+        def _on_header(self, header):
+            if not header.model_fingerprint:
+                filled = handoff_pb2.HandoffHeader()
+                filled.CopyFrom(header)
+                filled.model_fingerprint = self.expect.model_fingerprint
+                header = filled
+            return original(self, header)
+        return _on_header
+    _patch(HandoffVerifier, "_on_header", make)
+
+
+LATE_CANCEL_S = 3.0
+
+
+def decode_cancels_late() -> None:
+    """D-29 broken: the prefill call is cancelled 3 s after decode is done with it (a cleanup
+    timer), so a prefill that keeps streaming keeps working for 3 s after the refusal."""
+    from decode_svc.prefill_client import HandoffStream
+
+    def make(original):
+        def cancel(self):
+            asyncio.get_running_loop().call_later(LATE_CANCEL_S, original, self)
+            return True
+        return cancel
+    _patch(HandoffStream, "cancel", make)
+
+
+def decode_range_end_off_by_one() -> None:
+    """D-13 broken: a chunk may end at token_count + 1 (`end <= token_count + 1`)."""
+    def make(original):
+        def _on_chunk(self, chunk):
+            expect = self.expect
+            self.expect = dataclasses.replace(expect, token_count=expect.token_count + 1)
+            try:
+                return original(self, chunk)
+            finally:
+                self.expect = expect
+        return _on_chunk
+    _patch(HandoffVerifier, "_on_chunk", make)
+
+
+def decode_refuses_one_token_chunks() -> None:
+    """D-13 broken at the other end: `start + 1 < end`, so a chunk of one token is refused."""
+    def make(original):
+        def _on_chunk(self, chunk):
+            if chunk.token_end == chunk.token_start + 1:
+                raise self._fail("CHUNK_RANGE_INVALID", "a one-token chunk")
+            return original(self, chunk)
+        return _on_chunk
+    _patch(HandoffVerifier, "_on_chunk", make)
 
 
 # ---- prefill --------------------------------------------------------------------------------
@@ -263,6 +343,50 @@ def prefill_accepts_short_nonce() -> None:
     import prefill_svc.validation as validation
 
     validation.NONCE_BYTES = 0
+def prefill_accepts_missing_version() -> None:
+    """G-02 broken: a request without protocol_version is served as 1.0."""
+    from prefill_svc import servicer
+
+    def make(original):
+        def validate_prefill(request, limits):
+            if not request.HasField("protocol_version"):
+                versioned = handoff_pb2.PrefillRequest()
+                versioned.CopyFrom(request)
+                versioned.protocol_version.major = 1
+                request = versioned
+            return original(request, limits)
+        return validate_prefill
+    _patch(servicer, "validate_prefill", make)
+
+
+def prefill_layer0_everywhere() -> None:
+    """P-17 broken: every layer's chunks carry layer 0's K and V (well formed, crc right)."""
+    from prefill_svc import engine
+
+    layer0: dict[tuple[str, int], object] = {}
+
+    def make(original):
+        def chunk_wire(request_id, sequence_number, layer, token_start, kv):
+            if layer == 0:
+                layer0[(request_id, token_start)] = kv
+            else:
+                kv = layer0.get((request_id, token_start), kv)
+            return original(request_id, sequence_number, layer, token_start, kv)
+        return chunk_wire
+    _patch(engine, "chunk_wire", make)
+
+
+def prefill_kv_of_another_prompt() -> None:
+    """P-17 broken: the KV (and first token) of another prompt of the same length: the prompt
+    rotated by one token. Every layer differs from the others; only the content is wrong."""
+    from prefill_svc.engine import PrefillEngine
+
+    def make(original):
+        def submit(self, job):
+            job.token_ids = job.token_ids[1:] + job.token_ids[:1]
+            return original(self, job)
+        return submit
+    _patch(PrefillEngine, "submit", make)
 
 
 VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
@@ -270,6 +394,12 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "decode_trusts_token_count": ("decode", decode_trusts_token_count),
     "decode_skips_checksum": ("decode", decode_skips_checksum),
     "decode_ignores_request_id": ("decode", decode_ignores_request_id),
+    "decode_truncates_long_prompt": ("decode", decode_truncates_long_prompt),
+    "decode_forwards_prompt_head": ("decode", decode_forwards_prompt_head),
+    "decode_accepts_empty_fingerprint": ("decode", decode_accepts_empty_fingerprint),
+    "decode_cancels_late": ("decode", decode_cancels_late),
+    "decode_range_end_off_by_one": ("decode", decode_range_end_off_by_one),
+    "decode_refuses_one_token_chunks": ("decode", decode_refuses_one_token_chunks),
     "prefill_chunks_after_rejected": ("prefill", prefill_chunks_after_rejected),
     "prefill_placeholder_over_length": ("prefill", prefill_placeholder_over_length),
     "prefill_drops_a_chunk": ("prefill", prefill_drops_a_chunk),
@@ -284,6 +414,9 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "prefill_forgets_nonce": ("prefill", prefill_forgets_nonce),
     "prefill_digest_of_other_tokens": ("prefill", prefill_digest_of_other_tokens),
     "prefill_accepts_short_nonce": ("prefill", prefill_accepts_short_nonce),
+    "prefill_accepts_missing_version": ("prefill", prefill_accepts_missing_version),
+    "prefill_layer0_everywhere": ("prefill", prefill_layer0_everywhere),
+    "prefill_kv_of_another_prompt": ("prefill", prefill_kv_of_another_prompt),
 }
 
 
