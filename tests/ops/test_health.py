@@ -28,7 +28,7 @@ PREFILL_SERVICES = {"kvhandoff.v1.HandoffService", "kvhandoff.v1.StatsService"}
 
 
 def _probe(target: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "common.cli.health_probe", target, *flags],
+    return subprocess.run([sys.executable, "-m", "kvhandoff_cli.health_probe", target, *flags],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
 
 

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from common.cli.settings import add_service_flags, apply_sources, build_config
+from kvhandoff_cli.settings import add_service_flags, apply_sources, build_config
 
 
 def _service_parser(role: str) -> argparse.ArgumentParser:
@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     if command in ("prefill", "decode"):
         return run_service(command, rest)
     if command == "up":
-        from common.cli.up import up
+        from kvhandoff_cli.up import up
 
         return up(rest)
     if command == "generate":
-        from common.cli.generate import generate
+        from kvhandoff_cli.generate import generate
 
         return generate(rest)
     if command == "config":
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return config_show(rest[1:])
     if command == "health":
-        from common.cli.health_probe import main as probe
+        from kvhandoff_cli.health_probe import main as probe
 
         return probe(rest)
     if command == "conformance":

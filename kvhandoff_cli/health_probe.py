@@ -1,4 +1,4 @@
-"""`python -m common.cli.health_probe HOST:PORT`: one grpc.health.v1 Check, for healthchecks.
+"""`python -m kvhandoff_cli.health_probe HOST:PORT`: one grpc.health.v1 Check, for healthchecks.
 
 Exit status 0 when the server answers SERVING, 1 for anything else (NOT_SERVING, an unknown
 service, no answer within --timeout), 2 for bad arguments. Prints one line saying which.
@@ -43,7 +43,7 @@ def check(target: str, service: str = "", timeout: float = 3.0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.cli.health_probe",
+    parser = argparse.ArgumentParser(prog="python -m kvhandoff_cli.health_probe",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("target", help="HOST:PORT of a kvhandoff service")
     parser.add_argument("--service", default="", help="service name to check (default: the "

@@ -72,7 +72,7 @@ def up(argv: list[str]) -> int:
     common = ["--model", args.model, "--host", args.host, "--page-size", str(args.page_size),
               "--kernels", args.kernels, "--device", args.device,
               "--max-context-tokens", str(args.max_context_tokens)]
-    cli = [sys.executable, "-m", "common.cli.main"]
+    cli = [sys.executable, "-m", "kvhandoff_cli.main"]
     procs: list[subprocess.Popen] = []
     stopping = False
 
