@@ -118,7 +118,7 @@ def test_compose_services_run_locally_and_generate(tmp_path, interpolation_env):
         for name in order:
             port = compose.environment(services[name])["KVHANDOFF_METRICS_PORT"]
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-            assert f'kvhandoff_pages_total{{role="{name}"}}'.encode() in body
+            assert f'kvhandoff_pool_pages{{model_name="demo",role="{name}"}}'.encode() in body
         grace = seconds(services["decode"]["stop_grace_period"])
         for name in reversed(order):
             procs[name].send_signal(signal.SIGTERM)
