@@ -18,10 +18,10 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.errors import ServiceError
 from common.server.ports import check_port_free, port_error
+from common.server.reflection import enable_reflection
 
 # Methods that stay open while draining and do not count as in-flight work: health,
 # reflection and the read-only stats (so a drain can be watched).
@@ -171,9 +171,8 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(state, server)
     for name in ["", *names]:
         await state.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
+    enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name],
+                      server)
     address = f"{host}:{port}"
     try:
         bound = (server.add_secure_port(address, tls.server_credentials()) if tls
