@@ -180,13 +180,16 @@ def print_table(layout: KvLayout, results: list[dict]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvhandoff bench transfer", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvhandoff bench transfer",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sizes", default="1MiB,64MiB,1GiB", help="KV payload sizes, comma separated")
     p.add_argument("--repeats", type=int, default=0, help="timed runs per size (0: by size)")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--layers", type=int, default=32, help="layers of the KV layout")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads of the layout")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension of the layout")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="KV element type")
     p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch threads in each of the two processes (0: torch's default)")
     p.add_argument("--json", type=Path, help="write the results here")
