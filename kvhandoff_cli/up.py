@@ -21,9 +21,9 @@ from common.pb.kvhandoff.v1 import stats_pb2, stats_pb2_grpc
 from common.server.ports import PortUnavailable, check_port_free
 from kvhandoff_cli.arguments import HelpFormatter
 
-DEMO_NOTE = ("model 'demo': random weights, so its text is noise by design; its character "
-             "tokenizer has 98 ids (2 special, 96 printable ASCII); --model DIR serves a Hugging "
-             "Face checkpoint directory (Llama, Qwen2)")
+DEMO_NOTE = ("model 'demo': random weights, so its text is noise by design; its tokenizer has "
+             "98 ids (<bos>, <eos>, one per printable ASCII character and newline); --model DIR "
+             "serves a Hugging Face checkpoint directory (Llama, Qwen2)")
 
 
 class ChildStderr:

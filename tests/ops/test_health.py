@@ -49,6 +49,7 @@ def test_health_probe_exit_status(ops_cluster):
     assert named.returncode == 0
     unknown = _probe(ops_cluster.prefill.address, "--service", "no.such.Service")
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stdout
+    assert "UNREACHABLE" not in unknown.stdout  # the server answered: it does not know it
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"

@@ -86,3 +86,23 @@ def test_usage_of_an_empty_pool_is_zero():
                              model_name="demo")
     key = ("kvhandoff_kv_cache_usage_ratio", (("model_name", "demo"), ("role", "prefill")))
     assert samples(metrics)[key] == 0
+
+
+def test_docs_list_every_metric():
+    """docs/operations.md names every series either role exports (limits as the services
+    register them)."""
+    from common.metrics import capacity_gauges
+    from tests.helpers.cluster import REPO
+
+    docs = (REPO / "docs" / "operations.md").read_text()
+    limits = capacity_gauges(type("Capacity", (), {"pool_tokens": 1, "context_window": 1})(),
+                             lambda: 1)
+    missing = []
+    for role in ("prefill", "decode"):
+        metrics = ServiceMetrics(role, lambda: 1, lambda: 1, lambda: 0, lambda: 0,
+                                 counters={"x": 1}, limits=limits)
+        for family in metrics.registry.collect():
+            name = family.name + ("_total" if family.type == "counter" else "")
+            if f"`{name}" not in docs:
+                missing.append(name)
+    assert missing == []
