@@ -100,7 +100,7 @@ def run_mode(mode: str, address: str, args, specs, warmups, loads, results, runs
     run_async(lambda: warm_up(address, warmups, args.request_timeout))
     for rate, concurrency in loads:
         load = _load_name(rate, concurrency)
-        got, duration = run_async(lambda: run_load(
+        got, duration = run_async(lambda rate=rate, concurrency=concurrency, load=load: run_load(
             address, specs, rate, concurrency, args.seed, args.request_timeout,
             _progress(f"{mode}, {load}")))
         summary = summarize(got, duration, args.slo_ttft_ms, args.slo_tpot_ms)
