@@ -125,10 +125,10 @@ def generate(argv: list[str]) -> int:
         p.error("give a PROMPT or --token-ids")
     if args.prompt is not None and args.token_ids is not None:
         p.error("give a PROMPT or --token-ids, not both")
-    if args.wait > 0 and not _wait_serving(args.target, args.wait, args.tls_ca):
-        print(f"error: {args.target} was not SERVING within {args.wait}s", file=sys.stderr)
-        return 1
     try:
+        if args.wait > 0 and not _wait_serving(args.target, args.wait, args.tls_ca):
+            print(f"error: {args.target} was not SERVING within {args.wait}s", file=sys.stderr)
+            return 1
         return asyncio.run(_stream(args))
     except KeyboardInterrupt:  # Ctrl-C: the call is cancelled, which the server logs and counts
         print("\ncancelled", file=sys.stderr, flush=True)
