@@ -29,7 +29,7 @@ RUN if [ -n "$TORCH_INDEX_URL" ]; then \
 
 WORKDIR /opt/kvhandoff
 COPY . .
-RUN pip install . && python -c "import common.cli.health_probe, common.cli.main"
+RUN pip install . && python -c "import kvhandoff_cli.health_probe, kvhandoff_cli.main"
 
 RUN useradd --uid 10001 --create-home --home-dir /home/kvhandoff kvhandoff
 USER 10001

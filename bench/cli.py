@@ -5,12 +5,14 @@ from __future__ import annotations
 import sys
 
 BENCHMARKS = {
-    "transfer": ("bench.transfer", "KV handoff GB/s through the services' code vs a plain socket"),
-    "serve": ("bench.serve", "serving load test (TTFT, TPOT, ITL, goodput), disaggregated vs "
-              "--local-prefill"),
-    "ttft": ("bench.ttft", "exposed transfer time: TTFT disaggregated minus TTFT in one process"),
-    "decode": ("bench.decode_throughput", "decode tokens/s at several batch sizes"),
-    "scrub": ("bench.scrub", "what --scrub-freed-pages costs"),
+    "transfer": ("bench.transfer", "Measures KV handoff GB/s through the services' code against "
+                 "a plain socket."),
+    "serve": ("bench.serve", "Runs a serving load test (TTFT, TPOT, ITL, goodput), "
+              "disaggregated against --local-prefill."),
+    "ttft": ("bench.ttft", "Measures the exposed transfer time: TTFT disaggregated minus TTFT "
+             "in one process."),
+    "decode": ("bench.decode_throughput", "Measures decode tokens/s at several batch sizes."),
+    "scrub": ("bench.scrub", "Measures what --scrub-freed-pages costs."),
 }
 
 

@@ -83,15 +83,16 @@ def run_batch(engine: LocalPrefillEngine, batch: int, prompt_len: int, new_token
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvhandoff bench decode", description=__doc__.split("\n")[0])
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--model", default="demo")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--kernels", default="auto")
+    p = argparse.ArgumentParser(prog="kvhandoff bench decode", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--batches", default="1,8,32", help="batch sizes, comma separated")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
+    p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--kernels", default="auto", help="auto, triton or torch")
     p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)

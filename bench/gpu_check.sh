@@ -33,9 +33,9 @@ echo "all steps done in ${SECONDS}s"
 # The real service sizing its pool from device memory (demo model), read from its start-up log.
 want service_sizing && {
 echo "=== service_sizing"
-(timeout 90 python3 -m common.cli.main prefill --model demo --pool-tokens 0 --memory-fraction 0.5 \
+(timeout 90 python3 -m kvhandoff_cli.main prefill --model demo --pool-tokens 0 --memory-fraction 0.5 \
    --allow-context-beyond-pool --port 0 > "$OUT/service_sizing.txt" 2>&1 &)
 for i in $(seq 1 80); do grep -q '"event": "serving"' "$OUT/service_sizing.txt" 2>/dev/null && break; sleep 1; done
-grep runtime_ready "$OUT/service_sizing.txt"; pkill -f "common.cli.main prefill" || true
+grep runtime_ready "$OUT/service_sizing.txt"; pkill -f "kvhandoff_cli.main prefill" || true
 }
 echo "finished in ${SECONDS}s"

@@ -115,25 +115,28 @@ def decode_tokens_per_s(args, model: LlamaModel, scrub: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.scrub", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=[*DTYPES, "auto"], default="auto")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--pool-tokens", type=int, default=4096)
+    p = argparse.ArgumentParser(prog="kvhandoff bench scrub", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=[*DTYPES, "auto"], default="auto", help="KV element type")
+    p.add_argument("--layers", type=int, default=32, help="layers of the free-latency pool")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads of the free-latency pool")
+    p.add_argument("--head-dim", type=int, default=128,
+                   help="head dimension of the free-latency pool")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--pool-tokens", type=int, default=4096, help="size of the free-latency pool")
     p.add_argument("--request-tokens", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[16, 256, 2048])
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--model", default="demo")
-    p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=16)
+                   default=[16, 256, 2048],
+                   help="request sizes in tokens whose release is timed, comma separated")
+    p.add_argument("--repeats", type=int, default=20, help="timed releases per size (median)")
+    p.add_argument("--model", default="demo",
+                   help="model of the decode-throughput part: 'demo' or a checkpoint")
+    p.add_argument("--requests", type=int, default=128, help="requests decoded per mode")
+    p.add_argument("--concurrency", type=int, default=16, help="requests decoding at a time")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
     p.add_argument("--rounds", type=int, default=5, help="decode runs per mode (median)")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     dtype = (DTYPES[args.dtype] if args.dtype != "auto"

@@ -39,30 +39,38 @@ def _ints(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvhandoff bench serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvhandoff bench serve", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--modes", default=",".join(MODES), help="disaggregated and/or local")
     p.add_argument("--target", default="", help="benchmark a running decode at HOST:PORT instead")
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
     p.add_argument("--vocab-size", type=int, default=0, help="(with --target) token id bound")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--pool-tokens", type=int, default=65536, help="for every service")
-    p.add_argument("--max-context-tokens", type=int, default=0)
+    p.add_argument("--max-context-tokens", type=int, default=0,
+                   help="context window of every service (0: the model's)")
     p.add_argument("--server-args", default="", help="extra flags for every service")
     p.add_argument("--decode-args", default="", help="extra flags for decode")
     p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="OMP threads per service process (0: torch's default)")
-    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per load")
     p.add_argument("--request-rate", type=_floats, default=[math.inf],
                    help="Poisson arrival rates in req/s, comma separated; inf: all at once")
     p.add_argument("--max-concurrency", type=_ints, default=[0],
                    help="caps on requests in flight, comma separated; 0: no cap")
-    p.add_argument("--input-len", type=LengthRange.parse, default=LengthRange(256, 256))
-    p.add_argument("--output-len", type=LengthRange.parse, default=LengthRange(64, 64))
-    p.add_argument("--warmup-requests", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--input-len", type=LengthRange.parse, default=LengthRange(256, 256),
+                   help="prompt tokens: N, or LOW-HIGH drawn uniformly")
+    p.add_argument("--output-len", type=LengthRange.parse, default=LengthRange(64, 64),
+                   help="generated tokens: N, or LOW-HIGH drawn uniformly")
+    p.add_argument("--warmup-requests", type=int, default=2,
+                   help="untimed requests before each mode")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="TTFT objective for goodput, in ms (none: not checked)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="TPOT objective for goodput, in ms (none: not checked)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="deadline of each request in seconds")
     p.add_argument("--json", type=Path, help="write config, summaries and every request here")
     p.add_argument("--plot-dir", type=Path, help="write PNG plots here (needs matplotlib)")
     return p
@@ -92,7 +100,7 @@ def run_mode(mode: str, address: str, args, specs, warmups, loads, results, runs
     run_async(lambda: warm_up(address, warmups, args.request_timeout))
     for rate, concurrency in loads:
         load = _load_name(rate, concurrency)
-        got, duration = run_async(lambda: run_load(
+        got, duration = run_async(lambda rate=rate, concurrency=concurrency, load=load: run_load(
             address, specs, rate, concurrency, args.seed, args.request_timeout,
             _progress(f"{mode}, {load}")))
         summary = summarize(got, duration, args.slo_ttft_ms, args.slo_tpot_ms)

@@ -24,7 +24,7 @@ class LengthRange:
     high: int
 
     @classmethod
-    def parse(cls, text: str) -> "LengthRange":
+    def parse(cls, text: str) -> LengthRange:
         """'256' or '128:512'."""
         parts = [int(p) for p in text.split(":")]
         if len(parts) not in (1, 2) or min(parts) < 1 or parts[0] > parts[-1]:

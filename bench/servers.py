@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.cli.up import wait_port_file, wait_serving
+from kvhandoff_cli.up import wait_port_file, wait_serving
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("disaggregated", "local")
@@ -52,7 +52,7 @@ def _start(role: str, flags: list[str], workdir: Path, env: dict, timeout: float
     port_file = workdir / f"{role}.port"
     port_file.unlink(missing_ok=True)
     log = (workdir / f"{role}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "common.cli.main", role, "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kvhandoff_cli.main", role, "--port", "0",
                              "--port-file", str(port_file), *flags],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

@@ -31,7 +31,7 @@ import torch
 
 from bench.synthetic_prefill import (FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, PoolOnlyModel,
                                      SyntheticSpec, serve_in_process)
-from common.handoff.binding import new_nonce
+from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
 from common.handoff.verifier import Expectation
 from common.kvpool.kv_cache import KvPool, PoolConfig
@@ -88,15 +88,17 @@ class DecodeSide:
         request_id = uuid.uuid4().hex
         barrier = f"{request_id}-barrier"
         await self._reserve(request_id, num_tokens)
+        nonce = new_nonce()
         request = handoff_pb2.PrefillRequest(
-            request_id=request_id, token_ids=[1] * num_tokens, protocol_version=protocol_version(), nonce=new_nonce(),
-            model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
+            request_id=request_id, token_ids=[1] * num_tokens, protocol_version=protocol_version(),
+            nonce=nonce, model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
             max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES)
         expect = Expectation(request_id, num_tokens, self.layout, FINGERPRINT,
-                             DEFAULT_MAX_CHUNK_BYTES, VOCAB)
+                             DEFAULT_MAX_CHUNK_BYTES, VOCAB, nonce, prompt_digest([1] * num_tokens))
         try:
             started = time.perf_counter()
-            _, nbytes = await receive_handoff(self.client, self.engine, request, expect, 600.0)
+            received = await receive_handoff(self.client, self.engine, request, expect, 600.0)
+            nbytes = received.payload_bytes
             await self._reserve(barrier, 1)  # commands run in order: every write is done now
             return time.perf_counter() - started, nbytes
         finally:
@@ -181,13 +183,16 @@ def print_table(layout: KvLayout, results: list[dict]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvhandoff bench transfer", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="kvhandoff bench transfer",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sizes", default="1MiB,64MiB,1GiB", help="KV payload sizes, comma separated")
     p.add_argument("--repeats", type=int, default=0, help="timed runs per size (0: by size)")
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--layers", type=int, default=32, help="layers of the KV layout")
+    p.add_argument("--kv-heads", type=int, default=8, help="KV heads of the layout")
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension of the layout")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                   help="KV element type")
     p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch threads in each of the two processes (0: torch's default)")
     p.add_argument("--json", type=Path, help="write the results here")

@@ -94,15 +94,18 @@ async def _ttfts(addresses: dict[str, str], lengths: list[int], repeats: int, vo
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="kvhandoff bench ttft", description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default="512,2048,8192")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--model", default="demo")
-    p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    p = argparse.ArgumentParser(prog="kvhandoff bench ttft", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--lengths", default="512,2048,8192",
+                   help="prompt lengths in tokens, comma separated")
+    p.add_argument("--repeats", type=int, default=5, help="timed requests per length and mode")
+    p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
+    p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="torch threads per service process (0: torch's default)")
     p.add_argument("--server-args", default="", help="extra flags for every service")
     p.add_argument("--compare-checks", action="store_true",
                    help="also run the pair with decode's content checks off, to price them")
-    p.add_argument("--json", type=Path)
+    p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     window = max(lengths) + 1

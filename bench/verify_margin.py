@@ -84,7 +84,8 @@ def check_on_decode(model: LlamaModel, prompt: list[int], kv: list[torch.Tensor]
     """Lands the KV in shuffled pages of a decode pool and runs the content checks."""
     n = len(prompt)
     pool = _pool(model, (2 * (n // PAGE_SIZE + 1) + 4) * PAGE_SIZE)
-    spacers = [f"spacer{k}" for k in range(pool.allocator.num_pages - pool.allocator.pages_needed(n))]
+    free = pool.allocator.num_pages - pool.allocator.pages_needed(n)
+    spacers = [f"spacer{k}" for k in range(free)]
     for name in spacers:  # fragment the free list so that the request's pages are scattered
         pool.allocator.allocate(name, 1)
     for name in rng.sample(spacers, len(spacers) // 2):

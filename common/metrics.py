@@ -1,10 +1,12 @@
 """Prometheus metrics, one registry per service (no module-global state), names kvhandoff_*.
 
-Every series carries a `role` label (prefill or decode) so dashboards can aggregate scrapes of
-both services without relabelling. Units are in the names (_seconds, _bytes); counters end in
-_total. Both roles: pages total and in use, running and waiting requests, refusals by reason,
-handoff seconds and bytes, queue time, engine event counters. Decode adds time to first token,
-inter-token latency and end-to-end request latency; prefill adds prefill seconds and tokens.
+Every series carries a `role` label (prefill or decode) and a `model_name` label (the --model
+setting), so dashboards can aggregate scrapes of both services, and of several models, without
+relabelling. Units are in the names (_seconds, _bytes, _tokens, _ratio); counters, and only
+counters, end in _total, so `promtool check metrics` is clean. The decode metrics follow vLLM's
+(time to first token, time per output token, inter-token latency, end-to-end latency, KV-cache
+usage, prompt and generation tokens, their per-request histograms, requests by finish reason),
+so dashboards built for vLLM map one to one; docs/operations.md lists every series.
 """
 
 from __future__ import annotations
@@ -14,20 +16,28 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
+from common.server.ports import check_port_free, port_error
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                 100000, 200000)
+# Why a request that was admitted ended: the proto's finish reasons, a client that went away or
+# hit its deadline, or an error after admission (refusals before it are kvhandoff_refused_total).
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class _CountersCollector:
     """Exports a service's StatsService counters (written by its engine thread) at scrape
-    time as kvhandoff_engine_events_total{role, event}."""
+    time as kvhandoff_engine_events_total{role, model_name, event}."""
 
-    def __init__(self, role: str, counters: Mapping[str, int]) -> None:
-        self.role = role
+    def __init__(self, labels: tuple[str, str], counters: Mapping[str, int]) -> None:
+        self.labels = labels  # (role, model_name)
         self.counters = counters
 
     def collect(self):
         family = CounterMetricFamily("kvhandoff_engine_events", "Engine events by kind "
-                                     "(the StatsService counters)", labels=["role", "event"])
+                                     "(the StatsService counters)",
+                                     labels=["role", "model_name", "event"])
         for _ in range(3):  # the engine thread may add a key while we copy
             try:
                 snapshot = dict(self.counters)
@@ -37,7 +47,7 @@ class _CountersCollector:
         else:
             snapshot = {}
         for event, value in sorted(snapshot.items()):
-            family.add_metric([self.role, event], value)
+            family.add_metric([*self.labels, event], value)
         yield family
 
 
@@ -47,34 +57,44 @@ class ServiceMetrics:
 
     def __init__(self, role: str, pages_total: Callable[[], int], pages_free: Callable[[], int],
                  running: Callable[[], int], waiting: Callable[[], int], *,
-                 counters: Mapping[str, int] | None = None,
+                 model_name: str = "", counters: Mapping[str, int] | None = None,
                  limits: Mapping[str, Callable[[], int]] | None = None) -> None:
         """limits: gauges named kvhandoff_<key> (e.g. max_prompt_tokens, pool_tokens)."""
         self.role = role
         self.registry = r = CollectorRegistry()
+        names = ["role", "model_name"]
+        own = (role, model_name)
 
-        def histogram(name: str, doc: str) -> Histogram:
-            return Histogram(name, doc, ["role"], buckets=LATENCY_BUCKETS,
-                             registry=r).labels(role)
+        def histogram(name: str, doc: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=r).labels(*own)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=r).labels(*own)
+
+        def usage() -> float:
+            total = pages_total()
+            return (total - pages_free()) / total if total else 0.0
 
         for name, doc, fn in [
-            ("kvhandoff_pages_total", "Pages in the KV pool", pages_total),
+            ("kvhandoff_pool_pages", "Pages in the KV pool", pages_total),
             ("kvhandoff_pages_in_use", "Pages owned by requests",
              lambda: pages_total() - pages_free()),
+            ("kvhandoff_kv_cache_usage_ratio", "Fraction of the KV pool's pages owned by "
+             "requests, 0 to 1 (vLLM: kv_cache_usage_perc)", usage),
             ("kvhandoff_running_requests", "Requests being computed (decode: in the running "
              "batch)", running),
             ("kvhandoff_waiting_requests", "Requests waiting for KV pages or a batch", waiting),
         ]:
-            Gauge(name, doc, ["role"], registry=r).labels(role).set_function(fn)
+            Gauge(name, doc, names, registry=r).labels(*own).set_function(fn)
         self._refused = Counter("kvhandoff_refused_total", "Requests and handoffs refused, by "
                                 "reason (the ErrorInfo reason the client sees)",
-                                ["role", "reason"], registry=r)
+                                [*names, "reason"], registry=r)
+        self._own = own
         self._handoff = histogram("kvhandoff_handoff_seconds", "KV handoff time: on decode from "
                                   "the reservation to the verified commit, on prefill from the "
                                   "header to the commit sent")
-        self._handoff_bytes = Counter("kvhandoff_handoff_bytes_total", "KV payload bytes handed "
-                                      "off (received on decode, sent on prefill)", ["role"],
-                                      registry=r).labels(role)
+        self._handoff_bytes = counter("kvhandoff_handoff_bytes_total", "KV payload bytes handed "
+                                      "off (received on decode, sent on prefill)")
         self._queue = histogram("kvhandoff_queue_time_seconds", "Wait before compute: on decode "
                                 "for KV pages, on prefill for a batch with room")
         if role == "decode":
@@ -82,21 +102,38 @@ class ServiceMetrics:
                                    "From request received to the first token sent")
             self._itl = histogram("kvhandoff_inter_token_latency_seconds",
                                   "Gap between consecutive tokens of a request")
+            self._tpot = histogram("kvhandoff_time_per_output_token_seconds",
+                                   "Per finished request with two or more tokens: time from "
+                                   "its first token to its last over the tokens after the first")
             self._e2e = histogram("kvhandoff_e2e_request_latency_seconds",
                                   "From request received to the final message sent")
+            self._prompt_tokens = counter("kvhandoff_prompt_tokens_total", "Prompt tokens of "
+                                          "the requests admitted (their KV received)")
+            self._generation_tokens = counter("kvhandoff_generation_tokens_total",
+                                              "Tokens generated and sent")
+            self._prompt_len = histogram("kvhandoff_request_prompt_tokens", "Prompt length of "
+                                         "each finished request", TOKEN_BUCKETS)
+            self._generation_len = histogram("kvhandoff_request_generation_tokens", "Tokens "
+                                             "generated by each finished request", TOKEN_BUCKETS)
+            self._finished = Counter("kvhandoff_requests_finished_total", "Admitted requests "
+                                     "by how they ended: stop, length, cancelled (client gone "
+                                     "or deadline), error", [*names, "finished_reason"],
+                                     registry=r)
+            for reason in FINISH_REASONS:  # every reason exported from the start, at 0
+                self._finished.labels(*own, reason)
         else:
             self._prefill = histogram("kvhandoff_prefill_seconds",
                                       "Forward pass time of the batch that held the request")
-            self._prefill_tokens = Counter("kvhandoff_prefill_tokens_total", "Prompt tokens "
-                                           "prefilled", ["role"], registry=r).labels(role)
+            self._prefill_tokens = counter("kvhandoff_prefill_tokens_total", "Prompt tokens "
+                                           "prefilled")
         if counters is not None:
-            r.register(_CountersCollector(role, counters))
+            r.register(_CountersCollector(own, counters))
         for key, fn in (limits or {}).items():
-            Gauge(f"kvhandoff_{key}", f"Effective limit: {key.replace('_', ' ')}", ["role"],
-                  registry=r).labels(role).set_function(fn)
+            Gauge(f"kvhandoff_{key}", f"Effective limit: {key.replace('_', ' ')}", names,
+                  registry=r).labels(*own).set_function(fn)
 
     def refused(self, reason: str) -> None:
-        self._refused.labels(role=self.role, reason=reason).inc()
+        self._refused.labels(*self._own, reason).inc()
 
     def handoff(self, seconds: float, nbytes: int, queue_seconds: float | None = None) -> None:
         """One completed handoff; decode passes its page wait as queue_seconds, prefill
@@ -109,13 +146,30 @@ class ServiceMetrics:
     def queued(self, seconds: float) -> None:
         self._queue.observe(seconds)
 
-    def token(self, gap: float, first: bool) -> None:
-        """Decode: gap since the request arrived (first token) or since the previous token."""
-        (self._ttft if first else self._itl).observe(gap)
+    def admitted(self, prompt_tokens: int) -> None:
+        """Decode: a request's KV arrived and was verified; it joins the batch."""
+        self._prompt_tokens.inc(prompt_tokens)
 
-    def finished(self, seconds: float) -> None:
-        """Decode: end-to-end latency of a request that completed."""
+    def token(self, gap: float, first: bool) -> None:
+        """Decode: one token sent; gap since the request arrived (first token) or since the
+        previous token."""
+        (self._ttft if first else self._itl).observe(gap)
+        self._generation_tokens.inc()
+
+    def finished(self, seconds: float, reason: str = "stop", prompt_tokens: int = 0,
+                 completion_tokens: int = 0, decode_seconds: float = 0.0) -> None:
+        """Decode: a request that completed with finish reason stop or length, after
+        `seconds` end to end, of which decode_seconds from its first token to its last."""
         self._e2e.observe(seconds)
+        self._finished.labels(*self._own, reason).inc()
+        self._prompt_len.observe(prompt_tokens)
+        self._generation_len.observe(completion_tokens)
+        if completion_tokens > 1:
+            self._tpot.observe(decode_seconds / (completion_tokens - 1))
+
+    def ended(self, reason: str) -> None:
+        """Decode: an admitted request that did not complete: cancelled or error."""
+        self._finished.labels(*self._own, reason).inc()
 
     def prefill(self, seconds: float, tokens: int, requests: int = 1) -> None:
         """Prefill: one forward pass over `requests` prompts totalling `tokens` tokens."""
@@ -124,8 +178,13 @@ class ServiceMetrics:
         self._prefill_tokens.inc(tokens)
 
     def serve_http(self, host: str, port: int) -> int:
-        """Starts the /metrics endpoint; port 0 picks a free one. Returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Starts the /metrics endpoint; port 0 picks a free one. Returns the bound port; a
+        taken port raises PortUnavailable naming it."""
+        check_port_free(host, port, "--metrics-port")
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as err:
+            raise port_error(host, port, "--metrics-port", err) from err
         return server.server_port
 
 
@@ -144,10 +203,17 @@ class NullMetrics:
     def prefill(self, seconds: float, tokens: int, requests: int = 1) -> None:
         pass
 
+    def admitted(self, prompt_tokens: int) -> None:
+        pass
+
     def token(self, gap: float, first: bool) -> None:
         pass
 
-    def finished(self, seconds: float) -> None:
+    def finished(self, seconds: float, reason: str = "stop", prompt_tokens: int = 0,
+                 completion_tokens: int = 0, decode_seconds: float = 0.0) -> None:
+        pass
+
+    def ended(self, reason: str) -> None:
         pass
 
 

@@ -24,7 +24,7 @@ class SamplingConfig:
         return self.temperature <= 0.0
 
     @classmethod
-    def from_proto(cls, p: common_pb2.SamplingParams, fallback_seed: int) -> "SamplingConfig":
+    def from_proto(cls, p: common_pb2.SamplingParams, fallback_seed: int) -> SamplingConfig:
         return cls(temperature=p.temperature, top_p=p.top_p if p.top_p > 0 else 1.0,
                    top_k=p.top_k, seed=p.seed if p.has_seed else fallback_seed)
 

@@ -22,7 +22,7 @@ class HfTokenizer:
         self._inner = inner
 
     @classmethod
-    def from_file(cls, path: Path) -> "HfTokenizer":
+    def from_file(cls, path: Path) -> HfTokenizer:
         from tokenizers import Tokenizer as _Tokenizer
 
         return cls(_Tokenizer.from_file(str(path)))

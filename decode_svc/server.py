@@ -144,7 +144,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("decode", lambda: allocator.num_pages,
                              lambda: allocator.snapshot().pages_free, engine.running_count,
-                             engine.waiting_count, counters=counters,
+                             engine.waiting_count, model_name=svc.model, counters=counters,
                              limits=capacity_gauges(
                                  runtime.capacity,
                                  lambda: state.limits.prefill_max_prompt if state.limits else 0))

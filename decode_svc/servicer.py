@@ -115,6 +115,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                      prompt_tokens=len(prompt.token_ids), bytes=nbytes,
                      seconds=round(handed - queued, 4))
             self.metrics.handoff(handed - queued, nbytes, queued - received)
+            self.metrics.admitted(len(prompt.token_ids))
             stop_ids = frozenset(request.stop_token_ids) | (
                 frozenset() if request.ignore_eos else frozenset(self.eos_ids))
             self.engine.begin(Sequence(request_id, len(prompt.token_ids),
@@ -123,20 +124,27 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             async for response in self._stream(events, request_id, len(prompt.token_ids), received):
                 yield response
             log.info("request_finished", seconds=round(time.monotonic() - received, 4))
+        except (asyncio.CancelledError, GeneratorExit):  # client gone (Ctrl-C) or deadline
+            log.info("request_cancelled", seconds=round(time.monotonic() - received, 4))
+            self.metrics.ended("cancelled")
+            raise
         except HandoffRefused as err:
             self.refusals[err.reason] = self.refusals.get(err.reason, 0) + 1
             log.warning("handoff_refused", reason=err.reason, code=err.code.name,
                         message=err.message)
             self.metrics.refused(err.reason)
+            self.metrics.ended("error")
             await abort_with(context, err)
         except ServiceError as err:
             log.warning("request_failed", reason=err.reason, message=err.message)
             self.metrics.refused(err.reason)
+            self.metrics.ended("error")
             await abort_with(context, err)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # never UNKNOWN without details: INTERNAL with ErrorInfo
             log.exception("request_crashed", error=str(exc))
+            self.metrics.ended("error")
             await abort_with(context, ServiceError(grpc.StatusCode.INTERNAL, "INTERNAL",
                                                    f"decode failed: {exc}"))
         finally:
@@ -172,17 +180,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     async def _stream(self, events: asyncio.Queue, request_id: str, prompt_len: int,
                       received: float):
         detok = IncrementalDetokenizer(self.tokenizer)
-        last = received
+        last = first_at = received
         while True:
             event = await events.get()
             if isinstance(event, TokenEvent):
                 now = time.monotonic()
                 self.metrics.token(now - last, first=event.index == 0)
-                last = now
+                last, first_at = now, (now if event.index == 0 else first_at)
                 yield generate_pb2.GenerateResponse(token=generate_pb2.GeneratedToken(
                     token_id=event.token_id, text=detok.push(event.token_id), index=event.index))
             elif isinstance(event, FinishedEvent):
-                self.metrics.finished(time.monotonic() - received)
+                self.metrics.finished(time.monotonic() - received, event.reason, prompt_len,
+                                      event.completion_tokens, last - first_at)
                 usage = generate_pb2.Usage(prompt_tokens=prompt_len,
                                            completion_tokens=event.completion_tokens)
                 yield generate_pb2.GenerateResponse(finished=generate_pb2.GenerationFinished(

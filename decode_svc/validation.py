@@ -40,6 +40,8 @@ def prompt_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | Non
     if kind == "token_ids":
         return list(request.token_ids.ids)
     if kind == "text":
+        if not request.text:  # a tokenizer would make it a lone BOS; nothing was asked
+            raise ServiceError(C.INVALID_ARGUMENT, "EMPTY_PROMPT", "the prompt text is empty")
         if tokenizer is None:
             raise ServiceError(C.INVALID_ARGUMENT, "NO_TOKENIZER",
                                "this model has no tokenizer.json; send token_ids instead of text")
@@ -67,10 +69,13 @@ def validate_generate(ids: list[int], request: generate_pb2.GenerateRequest,
                            f"{limits.prefill_max_prompt} tokens for one prompt")
     room = limits.context_window - n + 1
     max_tokens = request.max_tokens or min(limits.default_max_tokens, room)
-    if max_tokens > room:
+    if max_tokens > room:  # the last token is sent, never attended to: it needs no position
         raise ServiceError(C.INVALID_ARGUMENT, "MAX_TOKENS_TOO_LARGE",
-                           f"prompt ({n}) plus max_tokens ({max_tokens}) exceeds the context "
-                           f"window of {limits.context_window} by {max_tokens - room}")
+                           f"the prompt ({n} tokens) plus max_tokens ({max_tokens}) needs "
+                           f"{n + max_tokens - 1} positions (the last generated token needs "
+                           f"none), {n + max_tokens - 1 - limits.context_window} more than the "
+                           f"context window of {limits.context_window}; max_tokens can be at "
+                           f"most {room} for this prompt")
     prompt = ValidPrompt(ids, max_tokens)
     if prompt.reserve_tokens > limits.own_pool_tokens:
         raise ServiceError(C.RESOURCE_EXHAUSTED, "POOL_TOO_SMALL",

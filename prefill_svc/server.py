@@ -45,7 +45,8 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("prefill", lambda: allocator.num_pages,
                              lambda: allocator.snapshot().pages_free, lambda: 0,
-                             lambda: engine.waiting_count(), counters=counters,
+                             lambda: engine.waiting_count(), model_name=svc.model,
+                             counters=counters,
                              limits=capacity_gauges(runtime.capacity,
                                                     lambda: runtime.capacity.max_prompt_tokens))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,

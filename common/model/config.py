@@ -34,7 +34,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, raw: dict) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict) -> ModelConfig:
         """Validates an HF config.json dict; raises UnsupportedModelError with the reason."""
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None

@@ -18,9 +18,10 @@ from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from common.errors import ServiceError
+from common.server.ports import check_port_free, port_error
+from common.server.reflection import enable_reflection
 
 # Methods that stay open while draining and do not count as in-flight work: health,
 # reflection and the read-only stats (so a drain can be watched).
@@ -145,19 +146,24 @@ MAX_CONNECTION_AGE_MS = 5 * 60 * 1000
 
 
 def server_options(max_bytes: int) -> list[tuple[str, int]]:
+    """grpc.so_reuseport is off: with it on (gRPC's default) a second server on a taken port
+    binds without error and silently takes half of the connections (common/server/ports.py)."""
     return [("grpc.max_send_message_length", max_bytes),
             ("grpc.max_receive_message_length", max_bytes),
-            ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS)]
+            ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+            ("grpc.so_reuseport", 0)]
 
 
 async def create_server(
     register: Callable[[grpc.aio.Server], list[str]], host: str, port: int,
     tls: TlsFiles | None, max_message_bytes: int,
-    interceptors: list | None = None,
+    interceptors: list | None = None, port_setting: str = "--port",
 ) -> tuple[grpc.aio.Server, int, ServingState]:
     """register adds the servicers and returns their full service names. Health starts at
     NOT_SERVING; the caller flips it once the model is warm. The returned ServingState is the
-    health servicer and also tracks in-flight work for the drain on SIGTERM."""
+    health servicer and also tracks in-flight work for the drain on SIGTERM. A port that is
+    taken raises PortUnavailable naming it (and port_setting, the flag that chose it)."""
+    check_port_free(host, port, port_setting)
     state = ServingState()
     server = grpc.aio.server(options=server_options(max_message_bytes),
                              interceptors=[DrainInterceptor(state), *(interceptors or ())])
@@ -165,14 +171,16 @@ async def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(state, server)
     for name in ["", *names]:
         await state.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
+    enable_reflection([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name],
+                      server)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, tls.server_credentials()) if tls
-             else server.add_insecure_port(address))
+    try:
+        bound = (server.add_secure_port(address, tls.server_credentials()) if tls
+                 else server.add_insecure_port(address))
+    except RuntimeError as err:  # grpcio: "Failed to bind to address ..."
+        raise port_error(host, port, port_setting, None) from err
     if bound == 0:
-        raise OSError(f"could not bind {address}")
+        raise port_error(host, port, port_setting, None)
     await server.start()
     return server, bound, state
 

@@ -33,7 +33,7 @@ class SuiteRun:
 
 
 def _suite_command(role: str, junit: Path, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "common.cli.main", "conformance", role, "--junit", str(junit),
+    return [sys.executable, "-m", "kvhandoff_cli.main", "conformance", role, "--junit", str(junit),
             "--quiet", *args]
 
 

@@ -35,7 +35,7 @@ def test_junit_reports_each_case(tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "common.cli.main", "conformance", *args],
+    return subprocess.run([sys.executable, "-m", "kvhandoff_cli.main", "conformance", *args],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
 
 

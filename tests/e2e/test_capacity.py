@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def test_pool_smaller_than_window_refuses_to_start():
     proc = subprocess.run(
-        [sys.executable, "-m", "common.cli.main", "prefill", "--model", "demo", "--port", "0",
+        [sys.executable, "-m", "kvhandoff_cli.main", "prefill", "--model", "demo", "--port", "0",
          "--pool-tokens", "1000", "--max-context-tokens", "4096"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

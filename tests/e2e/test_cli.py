@@ -15,7 +15,7 @@ import pytest
 from tests.helpers.cluster import REPO
 
 pytestmark = pytest.mark.slow
-CLI = [sys.executable, "-m", "common.cli.main"]
+CLI = [sys.executable, "-m", "kvhandoff_cli.main"]
 
 
 def _wait_ready(proc: subprocess.Popen, timeout: float = 180.0) -> str:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from common.cli.up import wait_port_file, wait_serving
+from kvhandoff_cli.up import wait_port_file, wait_serving
 from common.pb.kvhandoff.v1 import (generate_pb2, generate_pb2_grpc, handoff_pb2_grpc, stats_pb2,
                                     stats_pb2_grpc)
 
@@ -46,7 +46,7 @@ class Service:
 
 
 def start_service(role: str, workdir: Path, flags: list[str], env: dict | None = None,
-                  wait_healthy: bool = True, module: str = "common.cli.main", port: int = 0,
+                  wait_healthy: bool = True, module: str = "kvhandoff_cli.main", port: int = 0,
                   entry_args: list[str] | None = None) -> Service:
     """Starts `python -m module *entry_args --port PORT --port-file F *flags` in workdir
     (entry_args default to [role]: the real CLI) and waits for its port, then for SERVING."""

@@ -11,6 +11,6 @@ PATCHED = "tests.isolation.patched_service"
 
 
 def start(role: str, workdir: Path, flags: list[str], env: dict | None = None,
-          module: str = "common.cli.main", port: int = 0, wait_healthy: bool = True) -> Service:
+          module: str = "kvhandoff_cli.main", port: int = 0, wait_healthy: bool = True) -> Service:
     """Starts role from module in workdir (port and log files there); waits until SERVING."""
     return start_service(role, workdir, flags, env, wait_healthy, module=module, port=port)

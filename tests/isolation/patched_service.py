@@ -1,5 +1,5 @@
 """Runs a real kvhandoff service (`python -m tests.isolation.patched_service prefill ...`) with
-test-only misbehaviour switched on by environment variables, then `common.cli.main.main`:
+test-only misbehaviour switched on by environment variables, then `kvhandoff_cli.main.main`:
 
 - KVH_TEST_CORRUPT_MARKER=N  (prefill) every chunk of a prompt whose first token is N goes out
   with a wrong crc32c, as a bit flip on the wire would;
@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from common.cli.main import main
+from kvhandoff_cli.main import main
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.engine import DecodeEngine
 from decode_svc.sequence import TokenEvent

@@ -47,8 +47,11 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples: dict, name: str, **labels) -> float:
-    """One sample's value, 0 when the series does not exist yet."""
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum over the series of `name` whose labels include `labels` (the others, such as
+    model_name, may be anything); 0 when no such series exists yet."""
+    wanted = set(labels.items())
+    return sum(v for (sample, have), v in samples.items()
+               if sample == name and wanted <= set(have))
 
 
 @dataclass(frozen=True)

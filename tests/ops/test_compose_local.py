@@ -45,7 +45,7 @@ def local_argv(argv: list[str]) -> list[str]:
     """A container command as a local one: the image's `kvhandoff` and `python` are ours."""
     head, *rest = argv
     if head == "kvhandoff":
-        return [sys.executable, "-m", "common.cli.main", *rest]
+        return [sys.executable, "-m", "kvhandoff_cli.main", *rest]
     if head == "python":
         return [sys.executable, *rest]
     raise AssertionError(f"compose command uses {head!r}, which the image may not have")
@@ -118,7 +118,7 @@ def test_compose_services_run_locally_and_generate(tmp_path, interpolation_env):
         for name in order:
             port = compose.environment(services[name])["KVHANDOFF_METRICS_PORT"]
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
-            assert f'kvhandoff_pages_total{{role="{name}"}}'.encode() in body
+            assert f'kvhandoff_pool_pages{{model_name="demo",role="{name}"}}'.encode() in body
         grace = seconds(services["decode"]["stop_grace_period"])
         for name in reversed(order):
             procs[name].send_signal(signal.SIGTERM)
@@ -162,7 +162,7 @@ def test_stop_grace_period_outlasts_the_drain():
         drain = float(compose.environment(service)["KVHANDOFF_GRACE_SECONDS"])
         assert seconds(service["stop_grace_period"]) > drain + 10, name
         assert service["stop_signal"] == "SIGTERM"
-        assert "common.cli.health_probe" in service["healthcheck"]["test"]
+        assert "kvhandoff_cli.health_probe" in service["healthcheck"]["test"]
 
 
 def test_cpu_variant_drops_gpus_and_uses_cpu_torch():

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from common.cli.main import main
+from kvhandoff_cli.main import main
 from tests.helpers.cluster import REPO
 
 FILE = """
@@ -129,7 +129,7 @@ def test_every_error_is_listed_at_once(capsys):
 @pytest.mark.slow
 def test_services_refuse_bad_settings_before_loading_anything(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "KVHANDOFF_PAGE_SIZE": "0"}
-    result = subprocess.run([sys.executable, "-m", "common.cli.main", "prefill"], cwd=REPO,
+    result = subprocess.run([sys.executable, "-m", "kvhandoff_cli.main", "prefill"], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "kvhandoff prefill: error: $KVHANDOFF_PAGE_SIZE: page_size must be >= 1" in \

@@ -19,7 +19,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
-from common.cli.health_probe import check
+from kvhandoff_cli.health_probe import check
 from common.server.grpc_server import create_server, drain, set_serving
 from tests.helpers.cluster import start_cluster
 from tests.ops.helpers import generate_reply

@@ -28,7 +28,7 @@ PREFILL_SERVICES = {"kvhandoff.v1.HandoffService", "kvhandoff.v1.StatsService"}
 
 
 def _probe(target: str, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "common.cli.health_probe", target, *flags],
+    return subprocess.run([sys.executable, "-m", "kvhandoff_cli.health_probe", target, *flags],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
 
 
@@ -49,6 +49,7 @@ def test_health_probe_exit_status(ops_cluster):
     assert named.returncode == 0
     unknown = _probe(ops_cluster.prefill.address, "--service", "no.such.Service")
     assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stdout
+    assert "UNREACHABLE" not in unknown.stdout  # the server answered: it does not know it
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         closed = f"127.0.0.1:{s.getsockname()[1]}"

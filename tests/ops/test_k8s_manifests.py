@@ -11,8 +11,8 @@ import tomllib
 import pytest
 import yaml
 
-from common.cli.main import main
-from common.cli.settings import ENV_PREFIX, role_fields
+from kvhandoff_cli.main import main
+from kvhandoff_cli.settings import ENV_PREFIX, role_fields
 from tests.helpers.cluster import REPO
 
 K8S = REPO / "deploy" / "k8s"

@@ -41,7 +41,7 @@ def test_every_log_line_is_a_json_event(ops_cluster):
     for service in (ops_cluster.prefill, ops_cluster.decode):
         lines = [line for line in service.log_text().splitlines() if line.strip()]
         events = log_events(service)
-        assert len(events) == len(lines), [l for l in lines if not l.startswith("{")][:5]
+        assert len(events) == len(lines), [x for x in lines if not x.startswith("{")][:5]
         for event in events:
             assert {"event", "level", "timestamp", "service"} <= set(event), event
             assert event["timestamp"].endswith("Z")

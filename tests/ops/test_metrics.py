@@ -3,6 +3,10 @@ the counters and histograms by exactly what it did."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import urllib.request
+
 import grpc
 import pytest
 
@@ -13,7 +17,7 @@ from tests.ops.helpers import generate_reply, metrics_port, scrape, value
 
 pytestmark = pytest.mark.slow
 
-COMMON = ["kvhandoff_pages_total", "kvhandoff_pages_in_use", "kvhandoff_running_requests",
+COMMON = ["kvhandoff_pool_pages", "kvhandoff_pages_in_use", "kvhandoff_running_requests",
           "kvhandoff_waiting_requests", "kvhandoff_handoff_seconds_count",
           "kvhandoff_handoff_bytes_total", "kvhandoff_queue_time_seconds_count"]
 DECODE_ONLY = ["kvhandoff_time_to_first_token_seconds_count",
@@ -44,7 +48,7 @@ def test_metric_names_are_exposed_with_units(ops_cluster):
         samples = scrape(metrics_port(service))
         present = {name for name, _labels in samples}
         assert set(names) <= present, (service.role, sorted(set(names) - present))
-        assert value(samples, "kvhandoff_pages_total", role=service.role) > 0
+        assert value(samples, "kvhandoff_pool_pages", role=service.role) > 0
 
 
 def test_decode_metrics_move_with_a_generation(ops_cluster):
@@ -64,6 +68,15 @@ def test_decode_metrics_move_with_a_generation(ops_cluster):
                                                            len(PROMPT))
     assert d("kvhandoff_e2e_request_latency_seconds_sum") > 0
     assert value(after, "kvhandoff_pages_in_use", role="decode") == 0
+    assert d("kvhandoff_prompt_tokens_total") == len(PROMPT)
+    assert d("kvhandoff_generation_tokens_total") == NEW_TOKENS
+    assert d("kvhandoff_request_prompt_tokens_sum") == len(PROMPT)
+    assert d("kvhandoff_request_generation_tokens_sum") == NEW_TOKENS
+    assert d("kvhandoff_time_per_output_token_seconds_count") == 1
+    assert (value(after, "kvhandoff_requests_finished_total", finished_reason="length")
+            - value(before, "kvhandoff_requests_finished_total", finished_reason="length")) == 1
+    assert value(after, "kvhandoff_kv_cache_usage_ratio", role="decode") == 0
+    assert value(after, "kvhandoff_pool_pages", role="decode", model_name="demo") > 0
 
 
 def test_refusals_are_counted_by_reason(ops_cluster):
@@ -117,3 +130,17 @@ def test_effective_limits_are_exported(ops_cluster):
                      role=service.role) == pool.max_context_tokens
         assert value(samples, "kvhandoff_max_prompt_tokens",
                      role=service.role) == pool.max_prompt_tokens > 0
+
+
+def test_live_scrapes_pass_promtool(ops_cluster):
+    """What the services really serve (not only the registry) passes `promtool check metrics`."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (Debian: apt-get install prometheus)")
+    generate_reply(ops_cluster.address, PROMPT, 2)
+    for service in (ops_cluster.prefill, ops_cluster.decode):
+        url = f"http://127.0.0.1:{metrics_port(service)}/metrics"
+        body = urllib.request.urlopen(url, timeout=10).read()
+        result = subprocess.run([promtool, "check", "metrics"], input=body,
+                                capture_output=True, timeout=60, check=False)
+        assert result.returncode == 0, (service.role, (result.stdout + result.stderr).decode())

@@ -19,7 +19,7 @@ import time
 import grpc
 import pytest
 
-from common.cli.health_probe import check
+from kvhandoff_cli.health_probe import check
 from common.errors import error_reason
 from tests.helpers.cluster import REPO, start_service
 from tests.ops.helpers import generate_reply

@@ -12,7 +12,7 @@ import torch
 
 from bench.synthetic_prefill import (FINGERPRINT, PAGE_SIZE, VOCAB, PoolOnlyModel, SyntheticSpec,
                                      _capacity, random_pool)
-from common.handoff.binding import new_nonce
+from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.codec import bytes_to_kv
 from common.handoff.layout import KvLayout, protocol_version
 from common.handoff.reasons import HandoffRefused
@@ -53,11 +53,11 @@ async def _start_prefill(pool_tokens: int = 1024):
     return server, engine, pool, f"127.0.0.1:{port}"
 
 
-def _request(request_id: str, tokens: int) -> handoff_pb2.PrefillRequest:
+def _request(request_id: str, tokens: int, nonce: bytes = b"") -> handoff_pb2.PrefillRequest:
     return handoff_pb2.PrefillRequest(
-        request_id=request_id, token_ids=[3] * tokens, protocol_version=protocol_version(), nonce=new_nonce(),
-        model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
-        max_chunk_bytes=MAX_CHUNK)
+        request_id=request_id, token_ids=[3] * tokens, protocol_version=protocol_version(),
+        nonce=nonce or new_nonce(), model_fingerprint=FINGERPRINT,
+        sampling=SamplingConfig().to_proto(), max_chunk_bytes=MAX_CHUNK)
 
 
 async def test_raw_client_and_generated_stub_read_the_same_handoff():
@@ -70,10 +70,12 @@ async def test_raw_client_and_generated_stub_read_the_same_handoff():
             assert info.model_fingerprint == FINGERPRINT and info.page_size == PAGE_SIZE
             reference = [frame async for frame in stub.Prefill(_request("ref", tokens))]
         client = PrefillClient(address, MAX_CHUNK, None)
-        expect = Expectation("fast", tokens, LAYOUT, FINGERPRINT, MAX_CHUNK, VOCAB)
+        nonce = new_nonce()
+        expect = Expectation("fast", tokens, LAYOUT, FINGERPRINT, MAX_CHUNK, VOCAB, nonce,
+                             prompt_digest([3] * tokens))
         verifier = HandoffVerifier(expect)
         fast = []
-        async for frame in client.prefill(_request("fast", tokens), timeout=30):
+        async for frame in client.prefill(_request("fast", tokens, nonce), timeout=30):
             chunk = verifier.on_frame(frame)
             if chunk is not None:
                 n = chunk.token_end - chunk.token_start

@@ -14,7 +14,7 @@ def main(argv: list[str]) -> int:
               f"variants: {', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     apply(argv[0], argv[1])
-    from common.cli.main import main as cli_main
+    from kvhandoff_cli.main import main as cli_main
 
     return cli_main([argv[1], *argv[2:]])
 

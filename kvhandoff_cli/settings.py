@@ -31,7 +31,8 @@ ROLES = ("prefill", "decode")
 
 SERVICE_HELP = {
     "model": "'demo' or a Hugging Face checkpoint directory (Llama, Qwen2)",
-    "host": "address to bind", "port": "gRPC port (0 picks a free one)",
+    "host": "address to bind",
+    "port": "gRPC port (0 picks a free one; prefill 50061, decode 50051 by default)",
     "device": "auto, cpu, cuda or cuda:N", "dtype": "auto, float32, float16, bfloat16",
     "kernels": "auto (triton on CUDA, torch on CPU), triton or torch",
     "page_size": "tokens per KV page",
@@ -55,6 +56,31 @@ SERVICE_HELP = {
     "verify_depth_positions": "random prompt positions decode recomputes through every layer, "
                               "besides the last one",
 }
+ROLE_HELP = {
+    "max_batch_tokens": "prompt tokens in one prefill forward pass",
+    "max_unsent_bytes": "KV bytes packed but not yet sent, over all streams; a slow decode "
+                        "pauses its prefill beyond this",
+    "prefill_target": "prefill address HOST:PORT (a DNS name balances over replicas)",
+    "max_batch": "sequences in the running decode batch",
+    "max_waiting": "requests waiting for pages or a batch slot before ADMISSION_QUEUE_FULL",
+    "default_max_tokens": "max_tokens of a request that sets none",
+    "handoff_timeout_s": "seconds a handoff from prefill may take",
+    "max_chunk_bytes": "largest KV chunk decode accepts from prefill",
+    "prefill_info_interval_s": "seconds between decode's checks of prefill's model, layout "
+                               "and limits",
+    "api_token": "bearer token clients must send (empty: none; redacted by config show)",
+    "api_tls_cert": "PEM certificate for the client API (TLS)",
+    "api_tls_key": "PEM key for --api-tls-cert",
+    "local_prefill": "compute prompts' KV in this process instead of asking prefill "
+                     "(a baseline for benchmarks)",
+}
+# Defaults that differ by role (the dataclass default is the one both roles share): the
+# ports of docs/operations.md, so `kvhandoff prefill` and `kvhandoff decode` started with no
+# flags find each other (decode's --prefill defaults to 127.0.0.1:50061).
+ROLE_DEFAULTS = {"prefill": {"port": 50061}, "decode": {"port": 50051}}
+# Values that config show prints as REDACTED_TEXT when set.
+SECRET_FIELDS = ("api_token",)
+REDACTED_TEXT = "<redacted>"
 
 # Range checks after merging: field -> (lowest, highest); None is unbounded.
 RANGES: dict[str, tuple[float | None, float | None]] = {
@@ -95,6 +121,23 @@ def role_fields(role: str) -> dict[str, dataclasses.Field]:
     return {**table_fields("service"), **table_fields(role)}
 
 
+def default_of(f: dataclasses.Field, role: str):
+    """The field's default for this role (ROLE_DEFAULTS first, then the dataclass)."""
+    return ROLE_DEFAULTS.get(role, {}).get(f.name, f.default)
+
+
+def redacted(settings: dict) -> dict:
+    """A copy of a config's asdict() with secret values replaced (empty ones stay empty)."""
+    out = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            value = redacted(value)
+        elif key in SECRET_FIELDS and value:
+            value = REDACTED_TEXT
+        out[key] = value
+    return out
+
+
 def _flag(name: str) -> str:
     return "--prefill" if name == "prefill_target" else "--" + name.replace("_", "-")
 
@@ -103,17 +146,17 @@ def add_service_flags(parser: argparse.ArgumentParser, role: str) -> None:
     parser.add_argument("--config", type=Path, help=f"TOML file with [service] and [{role}] "
                         f"tables (default: ${CONFIG_ENV}); environment and flags override it")
     for f in role_fields(role).values():
-        help_text = SERVICE_HELP.get(f.name, f.name.replace("_", " "))
-        if f.name == "prefill_target":
-            help_text = "prefill address HOST:PORT (a DNS name balances over replicas)"
+        help_text = SERVICE_HELP.get(f.name) or ROLE_HELP[f.name]
         if str(f.type) == "bool":
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=help_text)
+                                default=f.default, help=f"{help_text} (default: %(default)s)")
         else:
             kind = {"int": int, "float": float, "str": str}[str(f.type)]
-            parser.add_argument(_flag(f.name), dest=f.name, type=kind, default=f.default,
+            parser.add_argument(_flag(f.name), dest=f.name, type=kind,
+                                default=default_of(f, role),
                                 help=f"{help_text} (default: %(default)s)")
-    parser.add_argument("--port-file", type=Path, help="write the bound gRPC port here")
+    parser.add_argument("--port-file", type=Path,
+                        help="write the bound gRPC port here once serving (default: nowhere)")
 
 
 def _typed(value, kind: str, where: str):
@@ -188,7 +231,7 @@ def resolve(parser: argparse.ArgumentParser, argv: list[str], role: str,
     merged: dict[str, object] = {}
     sources: dict[str, str] = {}
     for name, f in fields.items():
-        merged[name], sources[name] = f.default, "default"
+        merged[name], sources[name] = default_of(f, role), "default"
         for layer in layers:
             if name in layer:
                 merged[name], sources[name] = layer[name]

@@ -1,8 +1,10 @@
-"""`python -m common.cli.health_probe HOST:PORT`: one grpc.health.v1 Check, for healthchecks.
+"""`kvhandoff health HOST:PORT` (or `python -m kvhandoff_cli.health_probe HOST:PORT`): one
+grpc.health.v1 Check, for healthchecks.
 
-Exit status 0 when the server answers SERVING, 1 for anything else (NOT_SERVING, an unknown
-service, no answer within --timeout), 2 for bad arguments. Prints one line saying which.
-Imports only grpc, never torch, so a container healthcheck costs a fraction of a second.
+Exit status 0 when the server answers SERVING, 1 for anything else (NOT_SERVING, NOT_FOUND for
+a service the server does not know, UNREACHABLE when nothing answers within --timeout), 2 for
+bad arguments. Prints one line saying which. Imports only grpc, never torch, so a container
+healthcheck costs a fraction of a second.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvhandoff_cli.arguments import HelpFormatter, positive_seconds, target
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -30,7 +34,8 @@ def _channel(target: str, args: argparse.Namespace) -> grpc.Channel:
 
 def check(target: str, service: str = "", timeout: float = 3.0,
           args: argparse.Namespace | None = None) -> str:
-    """The health status name of `service` at target, or 'UNREACHABLE (<code>)'."""
+    """The health status name of `service` at target; NOT_FOUND when the server answered that
+    it does not know the service; otherwise 'UNREACHABLE (<code>)'."""
     args = args or argparse.Namespace(tls_ca="", tls_cert="", tls_key="", server_name="")
     with _channel(target, args) as channel:
         try:
@@ -38,24 +43,28 @@ def check(target: str, service: str = "", timeout: float = 3.0,
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout,
                 wait_for_ready=False)
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.NOT_FOUND:  # the server answered: no such service
+                return "NOT_FOUND"
             return f"UNREACHABLE ({err.code().name})"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m common.cli.health_probe",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("target", help="HOST:PORT of a kvhandoff service")
-    parser.add_argument("--service", default="", help="service name to check (default: the "
+def main(argv: list[str] | None = None, prog: str = "python -m kvhandoff_cli.health_probe"
+         ) -> int:
+    parser = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter,
+                                     description="Ask a kvhandoff service whether it is SERVING "
+                                     "(one grpc.health.v1 Check). "
+                                     + __doc__.split("\n\n")[1].replace("\n", " "))
+    parser.add_argument("target", type=target, help="HOST:PORT of a kvhandoff service")
+    parser.add_argument("--service", default="", help="service name to check (empty: the "
                         "whole server, which kvhandoff keeps in step with every service)")
-    parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for an answer")
+    parser.add_argument("--timeout", type=positive_seconds, default=3.0,
+                        help="seconds to wait for an answer")
     parser.add_argument("--tls-ca", default="", help="PEM CA to verify a TLS server")
     parser.add_argument("--tls-cert", default="", help="PEM client certificate (mTLS)")
     parser.add_argument("--tls-key", default="", help="PEM key for --tls-cert")
     parser.add_argument("--server-name", default="", help="expected name in the server's cert")
     args = parser.parse_args(argv)
-    if args.timeout <= 0:
-        parser.error("--timeout must be > 0")
     status = check(args.target, args.service, args.timeout, args)
     print(f"{args.target} {args.service or '(server)'} {status}", flush=True)
     return 0 if status == "SERVING" else 1

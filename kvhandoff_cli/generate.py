@@ -1,0 +1,155 @@
+"""`kvhandoff generate`: stream a generation from decode; exit non-zero on a gRPC error."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import grpc
+
+from common.errors import error_reason
+from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from kvhandoff_cli.arguments import HelpFormatter, count, positive_seconds, seed, target, token_ids
+
+FINISH_NAMES = {generate_pb2.FINISH_REASON_STOP: "stop",
+                generate_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                         top_k=args.top_k, seed=args.seed or 0,
+                                         has_seed=args.seed is not None)
+    request = generate_pb2.GenerateRequest(
+        max_tokens=args.max_tokens, sampling=sampling, ignore_eos=args.ignore_eos,
+        stop_token_ids=args.stop_token_ids)
+    if args.token_ids is not None:
+        request.token_ids.ids.extend(args.token_ids)
+    else:
+        request.text = args.prompt
+    return request
+
+
+async def _stream(args: argparse.Namespace) -> int:
+    if args.tls_ca:
+        creds = grpc.ssl_channel_credentials(root_certificates=Path(args.tls_ca).read_bytes())
+        channel = grpc.aio.secure_channel(args.target, creds)
+    else:
+        channel = grpc.aio.insecure_channel(args.target)
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
+    stub = generate_pb2_grpc.GenerationServiceStub(channel)
+    token_ids: list[int] = []
+    try:
+        async for response in stub.Generate(build_request(args), timeout=args.timeout,
+                                            metadata=metadata):
+            if response.HasField("token"):
+                token_ids.append(response.token.token_id)
+                if args.json:
+                    print(json.dumps({"token_id": response.token.token_id,
+                                      "text": response.token.text}), flush=True)
+                else:
+                    print(response.token.text, end="", flush=True)
+            else:
+                done = response.finished
+                summary = {"token_ids": token_ids, "finish_reason": FINISH_NAMES.get(
+                    done.finish_reason, "unspecified"), "prompt_tokens": done.usage.prompt_tokens,
+                    "completion_tokens": done.usage.completion_tokens,
+                    "request_id": done.request_id}
+                print(json.dumps(summary) if args.json else "", flush=True)
+        return 0
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.UNIMPLEMENTED and await _is_prefill(channel):
+            print(f"error: {args.target} is a kvhandoff prefill (it serves HandoffService), not "
+                  f"a decode; point --target at the decode service (port 50051 by default)",
+                  file=sys.stderr)
+            return 1
+        reason = error_reason(err)
+        print(f"\nerror: {err.code().name}: {err.details()}"
+              + (f" (reason {reason})" if reason else ""), file=sys.stderr)
+        return 1
+    finally:
+        await channel.close()
+
+
+async def _is_prefill(channel: grpc.aio.Channel) -> bool:
+    """Whether the server behind channel knows prefill's HandoffService (asked through the
+    standard health service, which every kvhandoff service runs)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="kvhandoff.v1.HandoffService"), timeout=5)
+    except grpc.aio.AioRpcError:
+        return False
+    return True
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvhandoff generate", formatter_class=HelpFormatter,
+                                description="Stream a generation from a decode service: the "
+                                "text as it arrives (or, with --json, one JSON object per "
+                                "token and a summary). Exit status 1 on a gRPC error.")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help="prompt text (the demo model's tokenizer is one id per character)")
+    p.add_argument("--token-ids", type=token_ids,
+                   help="comma-separated prompt token ids instead of text, e.g. 5,6,7")
+    p.add_argument("--target", type=target, default="127.0.0.1:50051",
+                   help="decode address HOST:PORT")
+    p.add_argument("--max-tokens", type=count, default=0,
+                   help="tokens to generate at most (0: the server's --default-max-tokens)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
+    p.add_argument("--seed", type=seed, default=None,
+                   help="sampling seed, for repeatable samples (none: the server picks one)")
+    p.add_argument("--stop-token-ids", type=token_ids, default=[],
+                   help="comma-separated ids that end the generation")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the model's end-of-sequence token")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--timeout", type=positive_seconds, default=None,
+                   help="deadline in seconds (none: no deadline)")
+    p.add_argument("--token", default="", help="bearer token for the API (--api-token)")
+    p.add_argument("--tls-ca", default="", help="PEM CA to verify a TLS API (empty: plaintext)")
+    p.add_argument("--wait", type=float, default=0.0,
+                   help="first wait up to this many seconds for the target to be SERVING")
+    return p
+
+
+def generate(argv: list[str]) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.prompt is None and args.token_ids is None:
+        p.error("give a PROMPT or --token-ids")
+    if args.prompt is not None and args.token_ids is not None:
+        p.error("give a PROMPT or --token-ids, not both")
+    try:
+        if args.wait > 0 and not _wait_serving(args.target, args.wait, args.tls_ca):
+            print(f"error: {args.target} was not SERVING within {args.wait}s", file=sys.stderr)
+            return 1
+        return asyncio.run(_stream(args))
+    except KeyboardInterrupt:  # Ctrl-C: the call is cancelled, which the server logs and counts
+        print("\ncancelled", file=sys.stderr, flush=True)
+        return 130
+
+
+def _wait_serving(target: str, seconds: float, tls_ca: str) -> bool:
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + seconds
+    creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
+    with (grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    return False
