@@ -8,14 +8,13 @@ that decode's pool (StatsService) is back at baseline.
 from __future__ import annotations
 
 import asyncio
-import time
 import zlib
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from common.server.wait import wait_serving
 from conformance.decode_cases import decode_cases
 from conformance.decode_script import DecodeCase, tokens
 from conformance.fake_prefill import Exchange, FakePrefill, passthrough
@@ -148,29 +147,16 @@ async def _request_well_formed(t: DecodeTarget) -> list[str]:
     return problems
 
 
-async def wait_serving(channel: grpc.aio.Channel, timeout: float) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-        except grpc.aio.AioRpcError as err:
-            last = err.code().name
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"decode not SERVING after {timeout:.0f}s (last: {last}); was it started "
-                       f"with --prefill pointing at the fake's listen address?")
-
-
 async def open_target(decode: str, fake: FakePrefill, timeout: float, settle_timeout: float,
                       wait: float) -> DecodeTarget:
     """Waits for the decode to serve, takes its pool baseline and learns its limits."""
     channel = grpc.aio.insecure_channel(decode, options=[  # the decode may start after us
         ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
-    await wait_serving(channel, wait)
+    try:  # in a thread: the fake prefill on this event loop must keep answering meanwhile
+        await asyncio.to_thread(wait_serving, decode, wait)
+    except TimeoutError as err:
+        raise TimeoutError(f"decode {err}; was it started with --prefill pointing at the "
+                           f"fake's listen address?") from err
     pool = PoolWatch(channel)
     base = await pool.take_baseline()
     t = DecodeTarget(channel, fake, pool, timeout, settle_timeout,

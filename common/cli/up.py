@@ -5,45 +5,16 @@ from __future__ import annotations
 import argparse
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.kvhandoff.v1 import stats_pb2, stats_pb2_grpc
-
-
-def wait_port_file(path: Path, proc: subprocess.Popen, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before serving")
-        if path.exists() and path.read_text().strip():
-            return int(path.read_text())
-        time.sleep(0.05)
-    raise TimeoutError(f"no port after {timeout}s")
-
-
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Polls the standard health service until it says SERVING."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"process exited with {proc.returncode} before serving")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"{address} not SERVING after {timeout}s")
+from common.server.launch import ServiceProcess, launch, stop_processes
+from common.server.wait import wait_serving
 
 
 def _pool_line(address: str) -> str:
@@ -73,7 +44,7 @@ def up(argv: list[str]) -> int:
               "--kernels", args.kernels, "--device", args.device,
               "--max-context-tokens", str(args.max_context_tokens)]
     cli = [sys.executable, "-m", "common.cli.main"]
-    procs: list[subprocess.Popen] = []
+    services: list[ServiceProcess] = []
     stopping = False
 
     def stop(*_):
@@ -84,28 +55,29 @@ def up(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, stop)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            prefill_port_file = Path(tmp) / "prefill.port"
-            procs.append(subprocess.Popen(
-                [*cli, "prefill", *common, "--port", str(args.prefill_port),
-                 "--pool-tokens", str(args.prefill_pool_tokens), "--port-file",
-                 str(prefill_port_file), *shlex.split(args.prefill_args)]))
-            prefill_port = wait_port_file(prefill_port_file, procs[0], args.start_timeout)
-            prefill_address = f"{args.host}:{prefill_port}"
-            decode_port_file = Path(tmp) / "decode.port"
-            procs.append(subprocess.Popen(
-                [*cli, "decode", *common, "--port", str(args.port), "--prefill", prefill_address,
-                 "--pool-tokens", str(args.decode_pool_tokens), "--port-file",
-                 str(decode_port_file), *shlex.split(args.decode_args)]))
-            decode_port = wait_port_file(decode_port_file, procs[1], args.start_timeout)
-            address = f"{args.host}:{decode_port}"
-            wait_serving(prefill_address, procs[0], args.start_timeout)
-            wait_serving(address, procs[1], args.start_timeout)
+            services.append(launch(
+                "prefill", [*cli, "prefill", *common, "--port", str(args.prefill_port),
+                            "--pool-tokens", str(args.prefill_pool_tokens),
+                            *shlex.split(args.prefill_args)],
+                Path(tmp) / "prefill.port", args.start_timeout, host=args.host,
+                wait_until_serving=False))
+            prefill_address = services[0].address
+            services.append(launch(
+                "decode", [*cli, "decode", *common, "--port", str(args.port), "--prefill",
+                           prefill_address, "--pool-tokens", str(args.decode_pool_tokens),
+                           *shlex.split(args.decode_args)],
+                Path(tmp) / "decode.port", args.start_timeout, host=args.host,
+                wait_until_serving=False))
+            address = services[1].address
+            for service in services:  # both warm up at once; each wait is for its own process
+                wait_serving(service.address, args.start_timeout, proc=service.proc)
             with grpc.insecure_channel(address) as channel:
                 limit = stats_pb2_grpc.StatsServiceStub(channel).GetStats(
                     stats_pb2.GetStatsRequest(), timeout=5).pool.max_prompt_tokens
             print(f"ready: kvhandoff serving at {address} (prefill at {prefill_address}); "
                   f"max prompt {limit} tokens; prefill pool {_pool_line(prefill_address)}, "
                   f"decode pool {_pool_line(address)}", flush=True)
+            procs = [service.proc for service in services]
             while not stopping and all(proc.poll() is None for proc in procs):
                 time.sleep(0.2)
             failed = [proc for proc in procs if proc.poll() not in (None, 0)]
@@ -114,11 +86,4 @@ def up(argv: list[str]) -> int:
             print(f"kvhandoff up: {err}", file=sys.stderr)
             return 1
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_processes([service.proc for service in reversed(services)], timeout=15)
