@@ -73,9 +73,8 @@ class SyntheticSpec:
 
 
 def _capacity(spec: SyntheticSpec) -> Capacity:
-    per_token = 2 * spec.layout.num_layers * spec.layout.bytes_per_token_per_layer
-    return Capacity(PAGE_SIZE, spec.pool_tokens // PAGE_SIZE, per_token, spec.pool_tokens,
-                    "bench")
+    return Capacity(PAGE_SIZE, spec.pool_tokens // PAGE_SIZE, spec.layout.kv_bytes_per_token,
+                    spec.pool_tokens, "bench")
 
 
 async def _serve(spec: SyntheticSpec, conn) -> None:
@@ -86,7 +85,7 @@ async def _serve(spec: SyntheticSpec, conn) -> None:
     capacity = _capacity(spec)
     limits = PrefillLimits(vocab_size=VOCAB, context_window=spec.pool_tokens,
                            pool_tokens=capacity.pool_tokens, model_fingerprint=FINGERPRINT,
-                           min_chunk_bytes=2 * spec.layout.bytes_per_token_per_layer)
+                           min_chunk_bytes=spec.layout.kv_bytes_per_token_per_layer)
     servicer = HandoffServicer(engine, spec.layout, capacity, limits, {}, log)
 
     names = [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name]

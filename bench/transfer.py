@@ -56,10 +56,6 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def kv_bytes_per_token(layout: KvLayout) -> int:
-    return 2 * layout.num_layers * layout.bytes_per_token_per_layer
-
-
 class DecodeSide:
     """Decode's half of a handoff: reservation, the real receive path, the engine's writes."""
 
@@ -122,7 +118,7 @@ def default_repeats(size: int) -> int:
 
 async def measure(layout: KvLayout, sizes: list[int], repeats: int, grpc_port: int,
                   socket_port: int, progress) -> list[dict]:
-    per_token = kv_bytes_per_token(layout)
+    per_token = layout.kv_bytes_per_token
     side = DecodeSide(layout, max(-(-s // per_token) for s in sizes), f"127.0.0.1:{grpc_port}")
     side.engine.start()
     sock = socket.create_connection(("127.0.0.1", socket_port))
@@ -171,7 +167,7 @@ def _human(n: int) -> str:
 def print_table(layout: KvLayout, results: list[dict]) -> None:
     print(f"KV layout: {layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
           f"{layout.head_dim} x {str(layout.dtype).removeprefix('torch.')} "
-          f"({kv_bytes_per_token(layout) >> 10} KiB per token); chunks of at most "
+          f"({layout.kv_bytes_per_token >> 10} KiB per token); chunks of at most "
           f"{layout.chunk_tokens(DEFAULT_MAX_CHUNK_BYTES)} tokens per layer")
     print(f"{'size':>10} {'chunks':>7} {'handoff GB/s':>13} {'socket GB/s':>12} {'ratio':>6}")
     for r in results:
@@ -198,7 +194,7 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         p.error(str(err))
     layout = KvLayout(args.layers, args.kv_heads, args.head_dim, DTYPES[args.dtype])
-    pool_tokens = max(-(-s // kv_bytes_per_token(layout)) for s in sizes)
+    pool_tokens = max(-(-s // layout.kv_bytes_per_token) for s in sizes)
     pool_tokens = -(-pool_tokens // PAGE_SIZE) * PAGE_SIZE
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.handoff.layout import kv_bytes_per_token_per_layer
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from common.server.wait import wait_serving
 from conformance.decode_cases import decode_cases
@@ -21,7 +22,7 @@ from conformance.fake_prefill import Exchange, FakePrefill, passthrough
 from conformance.pool import PoolWatch
 from conformance.report import CaseResult, Selection
 from conformance.runner import Case, prompt_ids, run_cases
-from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, ERROR_DOMAIN, PROTOCOL_MAJOR, token_bytes
+from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, ERROR_DOMAIN, PROTOCOL_MAJOR
 from conformance.wire import RpcOutcome, outcome_of
 
 MAX_TOKENS = 2
@@ -41,7 +42,7 @@ class DecodeTarget:
     def oversize_prompt_tokens(self) -> int:
         """A prompt long enough for one layout-consistent chunk over the negotiated maximum,
         when decode's limits allow it (else the usual length; the case then pads a chunk)."""
-        need = self.negotiated_max_chunk // (2 * token_bytes(self.fake.info.layout)) + 1
+        need = self.negotiated_max_chunk // kv_bytes_per_token_per_layer(self.fake.info.layout) + 1
         return need if need <= self.max_prompt_tokens else 24
 
 

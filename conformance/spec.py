@@ -1,11 +1,11 @@
 """The facts of SPEC.md the suite checks against: protocol version, reason codes and the gRPC
-status each one ends in (SPEC.md, "Error mapping"), and the wire sizes of each dtype."""
+status each one ends in (SPEC.md, "Error mapping"). The KV sizes of a layout are the protocol's
+own definition, `common.handoff.layout` (k_bytes_per_token_per_layer and its kin)."""
 
 from __future__ import annotations
 
 import grpc
 
-from common.pb.kvhandoff.v1 import common_pb2
 
 C = grpc.StatusCode
 
@@ -61,14 +61,3 @@ def rejected_status(reason_code: str) -> grpc.StatusCode:
     """The status decode gives its client for a REJECTED header with this reason code."""
     return REJECTION_STATUS.get(reason_code, REFUSAL_STATUS["PEER_REJECTED"])
 
-
-DTYPE_BYTES = {
-    common_pb2.KV_DTYPE_FLOAT32: 4,
-    common_pb2.KV_DTYPE_FLOAT16: 2,
-    common_pb2.KV_DTYPE_BFLOAT16: 2,
-}
-
-
-def token_bytes(layout: common_pb2.KvLayout) -> int:
-    """Bytes of K (or of V alone) for one token of one layer; 0 for an unknown dtype."""
-    return layout.num_kv_heads * layout.head_dim * DTYPE_BYTES.get(layout.dtype, 0)

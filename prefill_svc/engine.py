@@ -142,9 +142,8 @@ class PrefillEngine:
                                                      job.chunks_sent, first)))
                     done = self.counters.get("handoffs_completed", 0)
                     self.counters["handoffs_completed"] = done + 1
-                    self.metrics.handoff(time.monotonic() - job.submitted, 2 * len(job.token_ids)
-                                         * self.layout.num_layers
-                                         * self.layout.bytes_per_token_per_layer)
+                    self.metrics.handoff(time.monotonic() - job.submitted,
+                                         len(job.token_ids) * self.layout.kv_bytes_per_token)
         except _BatchCancelled:
             self.log.info("prefill_cancelled", request_ids=[j.request_id for j in batch])
         except Exception as exc:  # the stream must end with ABORTED, never with partial silence

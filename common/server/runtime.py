@@ -53,7 +53,7 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
         check_owners=config.check_page_owners)
     c = loaded.config
     pool = KvPool(pool_config, c.num_layers, c.num_kv_heads, c.head_dim, dtype, device)
-    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+    layout = KvLayout.from_model(c, dtype)
     log.info("runtime_ready", model=loaded.source, fingerprint=loaded.fingerprint,
              device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
              **capacity.describe())

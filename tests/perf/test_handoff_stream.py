@@ -42,7 +42,7 @@ async def _start_prefill(pool_tokens: int = 1024):
     engine = PrefillEngine(PoolOnlyModel(LAYOUT), pool, LAYOUT, pool_tokens, log, {})
     capacity = _capacity(SyntheticSpec(LAYOUT, pool_tokens))
     limits = PrefillLimits(VOCAB, pool_tokens, pool_tokens, FINGERPRINT,
-                           2 * LAYOUT.bytes_per_token_per_layer)
+                           LAYOUT.kv_bytes_per_token_per_layer)
     servicer = HandoffServicer(engine, LAYOUT, capacity, limits, {}, log)
     server = grpc.aio.server()
     add_handoff_service(servicer, server)
