@@ -31,6 +31,7 @@ import torch
 
 from bench.synthetic_prefill import (FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, PoolOnlyModel,
                                      SyntheticSpec, serve_in_process)
+from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
 from common.handoff.verifier import Expectation
 from common.kvpool.kv_cache import KvPool, PoolConfig
@@ -66,7 +67,8 @@ class DecodeSide:
                            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
                            torch.device("cpu"))
         self.engine = DecodeEngine(PoolOnlyModel(layout), self.pool, max_batch=1, max_waiting=4,
-                                   log=make_logger("decode", stream=io.StringIO()), counters={})
+                                   log=make_logger("decode", stream=io.StringIO()),
+                                   counters=Counters())
         self.client = PrefillClient(address, DEFAULT_MAX_CHUNK_BYTES, None)
 
     async def _reserve(self, request_id: str, num_tokens: int) -> None:

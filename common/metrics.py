@@ -14,29 +14,23 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
+from common.counters import Counters
+
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class _CountersCollector:
     """Exports a service's StatsService counters (written by its engine thread) at scrape
-    time as kvhandoff_engine_events_total{role, event}."""
+    time as kvhandoff_engine_events_total{role, event}; every scrape sees every counter."""
 
-    def __init__(self, role: str, counters: Mapping[str, int]) -> None:
+    def __init__(self, role: str, counters: Counters) -> None:
         self.role = role
         self.counters = counters
 
     def collect(self):
         family = CounterMetricFamily("kvhandoff_engine_events", "Engine events by kind "
                                      "(the StatsService counters)", labels=["role", "event"])
-        for _ in range(3):  # the engine thread may add a key while we copy
-            try:
-                snapshot = dict(self.counters)
-                break
-            except RuntimeError:
-                continue
-        else:
-            snapshot = {}
-        for event, value in sorted(snapshot.items()):
+        for event, value in sorted(self.counters.snapshot().items()):
             family.add_metric([self.role, event], value)
         yield family
 
@@ -47,7 +41,7 @@ class ServiceMetrics:
 
     def __init__(self, role: str, pages_total: Callable[[], int], pages_free: Callable[[], int],
                  running: Callable[[], int], waiting: Callable[[], int], *,
-                 counters: Mapping[str, int] | None = None,
+                 counters: Counters | None = None,
                  limits: Mapping[str, Callable[[], int]] | None = None) -> None:
         """limits: gauges named kvhandoff_<key> (e.g. max_prompt_tokens, pool_tokens)."""
         self.role = role

@@ -68,7 +68,7 @@ class LocalPrefillEngine(DecodeEngine):
                                       device=device),
             cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=device), max_seqlen=n)
         logits = self.model.prefill(batch, self.pool.k, self.pool.v)  # [1, vocab]
-        self.counters["local_prefills"] = self.counters.get("local_prefills", 0) + 1
+        self.counters.add("local_prefills")
         return sample_batch(logits, [sampling], [0])[0]
 
 

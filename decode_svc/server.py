@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from common.config import DecodeConfig
+from common.counters import Counters
 from common.handoff.layout import describe_layout
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
@@ -110,8 +111,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     svc = config.service
     log = make_logger("decode")
     runtime = build_runtime(svc, log)
-    refusals: dict[str, int] = {}
-    counters: dict[str, int] = {}
+    refusals, counters = Counters(), Counters()
     engine_class = LocalPrefillEngine if config.local_prefill else DecodeEngine
     engine = engine_class(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
                           log, counters)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.counters import Counters
 from common.errors import ServiceError, abort_with
 from common.handoff.layout import KvLayout, protocol_version
 from common.handoff.reasons import HandoffRefused
@@ -44,7 +45,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     def __init__(self, engine: DecodeEngine, client: PrefillClient, state: DecodeState,
                  layout: KvLayout, fingerprint: str, tokenizer: Tokenizer | None,
                  eos_ids: tuple[int, ...], max_chunk_bytes: int, handoff_timeout_s: float,
-                 refusals: dict[str, int], metrics, log) -> None:
+                 refusals: Counters, metrics, log) -> None:
         self.engine = engine
         self.client = client
         self.state = state
@@ -116,7 +117,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 yield response
             log.info("request_finished", seconds=round(time.monotonic() - received, 4))
         except HandoffRefused as err:
-            self.refusals[err.reason] = self.refusals.get(err.reason, 0) + 1
+            self.refusals.add(err.reason)
             log.warning("handoff_refused", reason=err.reason, code=err.code.name,
                         message=err.message)
             self.metrics.refused(err.reason)

@@ -9,6 +9,7 @@ from pathlib import Path
 import grpc
 
 from common.config import PrefillConfig
+from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
@@ -40,23 +41,23 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     svc = config.service
     log = make_logger("prefill")
     runtime = build_runtime(svc, log)
-    refusals: dict[str, int] = {}
-    counters: dict[str, int] = {}
+    refusals, counters = Counters(), Counters()
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("prefill", lambda: allocator.num_pages,
-                             lambda: allocator.snapshot().pages_free, lambda: 0,
-                             lambda: engine.waiting_count(), counters=counters,
+                             lambda: allocator.snapshot().pages_free,
+                             lambda: engine.running_count(), lambda: engine.waiting_count(),
+                             counters=counters,
                              limits=capacity_gauges(runtime.capacity,
                                                     lambda: runtime.capacity.max_prompt_tokens))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
-                           log, counters, metrics, SendBudget(config.max_unsent_bytes))
+                           log, counters, SendBudget(config.max_unsent_bytes), metrics)
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,
         pool_tokens=runtime.capacity.pool_tokens, model_fingerprint=runtime.loaded.fingerprint,
         min_chunk_bytes=runtime.layout.kv_bytes_per_token_per_layer)
     stats = StatsServicer("prefill", allocator, runtime.capacity,
                           lambda: runtime.capacity.max_prompt_tokens, refusals, counters,
-                          lambda: 0, engine.waiting_count)
+                          engine.running_count, engine.waiting_count)
     handoff = HandoffServicer(engine, runtime.layout, runtime.capacity, limits, refusals, log,
                               metrics)
 

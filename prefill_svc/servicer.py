@@ -13,6 +13,7 @@ import uuid
 import grpc
 
 from common.capacity import Capacity
+from common.counters import Counters
 from common.errors import ServiceError, abort_with
 from common.handoff.codec import frame_wire, header_frame
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
@@ -25,7 +26,7 @@ from prefill_svc.validation import PrefillLimits, validate_prefill
 
 class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
     def __init__(self, engine: PrefillEngine, layout: KvLayout, capacity: Capacity,
-                 limits: PrefillLimits, refusals: dict[str, int], log, metrics=None) -> None:
+                 limits: PrefillLimits, refusals: Counters, log, metrics=None) -> None:
         self.engine = engine
         self.layout = layout
         self.capacity = capacity
@@ -52,7 +53,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         rejection = validate_prefill(request, self.limits)
         fingerprint = self.limits.model_fingerprint
         if rejection is not None:
-            self.refusals[rejection.reason_code] = self.refusals.get(rejection.reason_code, 0) + 1
+            self.refusals.add(rejection.reason_code)
             log.warning("prefill_rejected", reason=rejection.reason_code, message=rejection.message)
             self.metrics.refused(rejection.reason_code)
             yield self._out(frame_wire(header_frame(
@@ -77,12 +78,12 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         try:
             while (frame := await frames.get()) is not None:
                 yield self._out(frame)
-                self.engine.send_budget.release(job.unsent, len(frame))
+                self.engine.frame_sent(job, len(frame))
             log.info("prefill_streamed", chunks=job.chunks_sent)
         finally:
             if not job.cancelled.is_set():
                 job.cancelled.set()  # no-op once the engine is done; stops work when decode left
-            self.engine.send_budget.close(job.unsent)  # frames never sent return their bytes
+            self.engine.stream_ended(job)  # frames never sent return their bytes
 
 
 class _HandlerCapture:
