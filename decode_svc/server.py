@@ -18,6 +18,7 @@ from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, s
 from common.server.auth import BearerTokenInterceptor
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
+from common.server.loopback import is_loopback_host, is_loopback_target
 from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
 from decode_svc.engine import DecodeEngine
@@ -139,10 +140,12 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
         stats_pb2_grpc.add_StatsServiceServicer_to_server(stats, server)
         return SERVICE_NAMES
 
-    if peer_tls is None and svc.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("insecure_handoff", message="decode listens on a non-loopback address and "
-                    "talks to prefill without TLS; configure --tls-cert/--tls-key/--tls-ca")
-    public = svc.host not in ("127.0.0.1", "localhost", "::1")
+    if peer_tls is None and not config.local_prefill and not is_loopback_target(
+            config.prefill_target):
+        log.warning("insecure_handoff", target=config.prefill_target, message="decode talks to "
+                    "a prefill off this machine without TLS: prompts and KV cross the network in "
+                    "clear text; configure --tls-cert/--tls-key/--tls-ca")
+    public = not is_loopback_host(svc.host)
     if public and config.api_token and not config.api_tls_cert:
         log.warning("api_token_without_tls", message="--api-token is set but the client API has "
                     "no TLS: tokens travel in cleartext; set --api-tls-cert/--api-tls-key")

@@ -16,6 +16,7 @@ from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import handoff_pb2, stats_pb2, stats_pb2_grpc
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
+from common.server.loopback import is_loopback_host
 from common.server.runtime import build_runtime, warm_up
 from common.server.stats import StatsServicer
 from prefill_svc.engine import PrefillEngine
@@ -67,7 +68,7 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
         return SERVICE_NAMES
 
     tls = TlsFiles(svc.tls_cert, svc.tls_key, svc.tls_ca) if svc.tls_cert else None
-    if tls is None and svc.host not in ("127.0.0.1", "localhost", "::1"):
+    if tls is None and not is_loopback_host(svc.host):
         log.warning("insecure_handoff", message="the handoff service listens without TLS on a "
                     "non-loopback address; configure --tls-cert/--tls-key/--tls-ca")
     server, port, health = await create_server(register, svc.host, svc.port, tls,
