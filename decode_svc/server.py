@@ -178,7 +178,7 @@ def serve(config: DecodeConfig, port_file: Path | None = None) -> None:
             running.engine.stop()
             await running.client.close()
 
-        await serve_until_signalled(running.server, running.health, SERVICE_NAMES,
+        await serve_until_signalled(running.server, running.health,
                                     config.service.grace_seconds, on_stop, log=running.log)
 
     run_async(main)

@@ -90,7 +90,7 @@ def serve(config: PrefillConfig, port_file: Path | None = None) -> None:
         async def on_stop() -> None:
             running.engine.stop()
 
-        await serve_until_signalled(running.server, running.health, SERVICE_NAMES,
+        await serve_until_signalled(running.server, running.health,
                                     config.service.grace_seconds, on_stop, log=running.log)
 
     run_async(main)
