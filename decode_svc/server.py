@@ -24,7 +24,8 @@ from common.server.stats import StatsServicer
 from decode_svc.engine import DecodeEngine
 from decode_svc.local_prefill import LocalPrefillEngine, agree_locally
 from decode_svc.prefill_client import PrefillClient
-from decode_svc.servicer import DecodeState, GenerationServicer
+from decode_svc.servicer import GenerationServicer
+from decode_svc.state import DecodeState
 from decode_svc.validation import DecodeLimits
 
 SERVICE_NAMES = [generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,

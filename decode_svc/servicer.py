@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
@@ -28,17 +27,10 @@ from decode_svc.handoff import receive_handoff
 from decode_svc.local_prefill import LocalPrefillEngine, prefill_locally
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
+from decode_svc.state import DecodeState
 from decode_svc.validation import DecodeLimits, prompt_ids, validate_generate
 
 FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
-
-
-@dataclass
-class DecodeState:
-    """Facts learned from prefill at start (the handshake); None until agreed."""
-
-    limits: DecodeLimits | None = None
-    refusing: str = ""  # why decode refuses everything (model or layout disagree)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):

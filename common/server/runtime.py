@@ -12,7 +12,8 @@ from common.config import ServiceConfig
 from common.handoff.layout import KvLayout
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.model.llama import LlamaModel
-from common.model.loader import LoadedModel, load_model
+from common.model.loaded import LoadedModel
+from common.model.loader import load_model
 from common.ops.select import make_ops, resolve_backend, triton_is_interpreted
 
 
