@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from common.config import ServiceConfig
+from common.counters import Counters
 from common.log import make_logger
 from common.sampling import SamplingConfig
 from common.server.runtime import build_runtime, warm_up
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> int:
     runtime = build_runtime(config, log)
     warm_up(runtime)
     engine = LocalPrefillEngine(runtime.model, runtime.pool, max_batch=max(batches),
-                                max_waiting=max(batches), log=log, counters={})
+                                max_waiting=max(batches), log=log, counters=Counters())
     engine.start()
     rows = []
     try:

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvhandoff_cli.up import wait_port_file, wait_serving
+from common.server.launch import ServiceProcess, launch, stop_processes
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("disaggregated", "local")
@@ -24,18 +22,10 @@ class Deployment:
 
     mode: str
     address: str
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    services: list[ServiceProcess] = field(default_factory=list)
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes([service.proc for service in reversed(self.services)])
 
 
 def service_env(torch_threads: int) -> dict[str, str]:
@@ -48,19 +38,10 @@ def service_env(torch_threads: int) -> dict[str, str]:
 
 
 def _start(role: str, flags: list[str], workdir: Path, env: dict, timeout: float
-           ) -> tuple[subprocess.Popen, str]:
-    port_file = workdir / f"{role}.port"
-    port_file.unlink(missing_ok=True)
-    log = (workdir / f"{role}.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvhandoff_cli.main", role, "--port", "0",
-                             "--port-file", str(port_file), *flags],
-                            cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        return proc, f"127.0.0.1:{wait_port_file(port_file, proc, timeout)}"
-    except Exception as err:
-        proc.kill()
-        tail = (workdir / f"{role}.log").read_text(errors="replace")[-2000:]
-        raise RuntimeError(f"{role} did not start: {err}\n{tail}") from err
+           ) -> ServiceProcess:
+    return launch(role, [sys.executable, "-m", "kvhandoff_cli.main", role, "--port", "0", *flags],
+                  workdir / f"{role}.port", timeout, log_path=workdir / f"{role}.log", cwd=REPO,
+                  env=env)
 
 
 def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_threads: int,
@@ -75,16 +56,14 @@ def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_t
     try:
         decode_extra = list(decode_flags)
         if mode == "disaggregated":
-            prefill, prefill_address = _start("prefill", service_flags, workdir, env, timeout)
-            deployment.procs.append(prefill)
-            wait_serving(prefill_address, prefill, timeout)
-            decode_extra += ["--prefill", prefill_address]
+            prefill = _start("prefill", service_flags, workdir, env, timeout)
+            deployment.services.append(prefill)
+            decode_extra += ["--prefill", prefill.address]
         else:
             decode_extra += ["--local-prefill"]
-        decode, address = _start("decode", [*service_flags, *decode_extra], workdir, env, timeout)
-        deployment.procs.append(decode)
-        deployment.address = address
-        wait_serving(address, decode, timeout)
+        decode = _start("decode", [*service_flags, *decode_extra], workdir, env, timeout)
+        deployment.services.append(decode)
+        deployment.address = decode.address
         return deployment
     except BaseException:
         deployment.stop()

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from common.capacity import Capacity
+from common.config import PrefillConfig, ServiceConfig
+from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.log import make_logger
@@ -27,6 +29,7 @@ from common.ops.torch_ops import TorchOps
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.server.grpc_server import create_server, set_serving
 from prefill_svc.engine import PrefillEngine
+from prefill_svc.send_budget import SendBudget
 from prefill_svc.servicer import HandoffServicer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
@@ -73,21 +76,21 @@ class SyntheticSpec:
 
 
 def _capacity(spec: SyntheticSpec) -> Capacity:
-    per_token = 2 * spec.layout.num_layers * spec.layout.bytes_per_token_per_layer
-    return Capacity(PAGE_SIZE, spec.pool_tokens // PAGE_SIZE, per_token, spec.pool_tokens,
-                    "bench")
+    return Capacity(PAGE_SIZE, spec.pool_tokens // PAGE_SIZE, spec.layout.kv_bytes_per_token,
+                    spec.pool_tokens, "bench")
 
 
 async def _serve(spec: SyntheticSpec, conn) -> None:
     log = make_logger("prefill", stream=io.StringIO())  # keep the benchmark's output clean
     model = PoolOnlyModel(spec.layout)
     pool = random_pool(spec.layout, spec.pool_tokens)
-    engine = PrefillEngine(model, pool, spec.layout, spec.pool_tokens, log, {})
+    engine = PrefillEngine(model, pool, spec.layout, spec.pool_tokens, log, Counters(),
+                           SendBudget(PrefillConfig(ServiceConfig()).max_unsent_bytes))
     capacity = _capacity(spec)
     limits = PrefillLimits(vocab_size=VOCAB, context_window=spec.pool_tokens,
                            pool_tokens=capacity.pool_tokens, model_fingerprint=FINGERPRINT,
-                           min_chunk_bytes=2 * spec.layout.bytes_per_token_per_layer)
-    servicer = HandoffServicer(engine, spec.layout, capacity, limits, {}, log)
+                           min_chunk_bytes=spec.layout.kv_bytes_per_token_per_layer)
+    servicer = HandoffServicer(engine, spec.layout, capacity, limits, Counters(), log)
 
     names = [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name]
 

@@ -32,6 +32,7 @@ import torch
 from bench.synthetic_prefill import (FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, PoolOnlyModel,
                                      SyntheticSpec, serve_in_process)
 from common.handoff.binding import new_nonce, prompt_digest
+from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
 from common.handoff.verifier import Expectation
 from common.kvpool.kv_cache import KvPool, PoolConfig
@@ -57,10 +58,6 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def kv_bytes_per_token(layout: KvLayout) -> int:
-    return 2 * layout.num_layers * layout.bytes_per_token_per_layer
-
-
 class DecodeSide:
     """Decode's half of a handoff: reservation, the real receive path, the engine's writes."""
 
@@ -71,7 +68,8 @@ class DecodeSide:
                            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype,
                            torch.device("cpu"))
         self.engine = DecodeEngine(PoolOnlyModel(layout), self.pool, max_batch=1, max_waiting=4,
-                                   log=make_logger("decode", stream=io.StringIO()), counters={})
+                                   log=make_logger("decode", stream=io.StringIO()),
+                                   counters=Counters())
         self.client = PrefillClient(address, DEFAULT_MAX_CHUNK_BYTES, None)
 
     async def _reserve(self, request_id: str, num_tokens: int) -> None:
@@ -125,7 +123,7 @@ def default_repeats(size: int) -> int:
 
 async def measure(layout: KvLayout, sizes: list[int], repeats: int, grpc_port: int,
                   socket_port: int, progress) -> list[dict]:
-    per_token = kv_bytes_per_token(layout)
+    per_token = layout.kv_bytes_per_token
     side = DecodeSide(layout, max(-(-s // per_token) for s in sizes), f"127.0.0.1:{grpc_port}")
     side.engine.start()
     sock = socket.create_connection(("127.0.0.1", socket_port))
@@ -174,7 +172,7 @@ def _human(n: int) -> str:
 def print_table(layout: KvLayout, results: list[dict]) -> None:
     print(f"KV layout: {layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
           f"{layout.head_dim} x {str(layout.dtype).removeprefix('torch.')} "
-          f"({kv_bytes_per_token(layout) >> 10} KiB per token); chunks of at most "
+          f"({layout.kv_bytes_per_token >> 10} KiB per token); chunks of at most "
           f"{layout.chunk_tokens(DEFAULT_MAX_CHUNK_BYTES)} tokens per layer")
     print(f"{'size':>10} {'chunks':>7} {'handoff GB/s':>13} {'socket GB/s':>12} {'ratio':>6}")
     for r in results:
@@ -204,7 +202,7 @@ def main(argv: list[str]) -> int:
     except ValueError as err:
         p.error(str(err))
     layout = KvLayout(args.layers, args.kv_heads, args.head_dim, DTYPES[args.dtype])
-    pool_tokens = max(-(-s // kv_bytes_per_token(layout)) for s in sizes)
+    pool_tokens = max(-(-s // layout.kv_bytes_per_token) for s in sizes)
     pool_tokens = -(-pool_tokens // PAGE_SIZE) * PAGE_SIZE
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.config import ServiceConfig
+from common.handoff.layout import KvLayout
 from common.model.config import ModelConfig
 
 
@@ -46,11 +47,6 @@ class Capacity:
                 "max_prompt_tokens": self.max_prompt_tokens, "sized_by": self.sized_by}
 
 
-def kv_bytes_per_token(model: ModelConfig, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * element
-
-
 def _pool_tokens(service: ServiceConfig, per_token: int, device: torch.device,
                  activation_peak_bytes: int) -> tuple[int, str]:
     if service.pool_tokens > 0:
@@ -81,7 +77,7 @@ def plan_capacity(service: ServiceConfig, model: ModelConfig, dtype: torch.dtype
     if window > model.max_position_embeddings:
         raise CapacityError(f"--max-context-tokens {window} exceeds the model's "
                             f"max_position_embeddings {model.max_position_embeddings}")
-    per_token = kv_bytes_per_token(model, dtype)
+    per_token = KvLayout.from_model(model, dtype).kv_bytes_per_token
     tokens, sized_by = _pool_tokens(service, per_token, device, activation_peak_bytes)
     num_pages = tokens // service.page_size
     if num_pages < 1:

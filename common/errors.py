@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 ERROR_DOMAIN = "kvhandoff.v1"
@@ -52,6 +52,3 @@ def error_reason(error: grpc.RpcError) -> str | None:
                     return info.reason
     return None
 
-
-def code_name(value: int) -> str:
-    return code_pb2.Code.Name(value)

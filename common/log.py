@@ -2,9 +2,10 @@
 
 Every line carries `event`, `level`, `timestamp` (ISO 8601, UTC) and `service` (the role);
 request-scoped lines also carry `request_id`, the id decode makes for a request and sends to
-prefill, both as PrefillRequest.request_id and as `x-request-id` metadata, so one grep joins a
-request's lines across the two services. Exceptions are rendered as structured tracebacks
-without local variables.
+prefill both as PrefillRequest.request_id and as `x-request-id` metadata; prefill logs the
+metadata's id (the PrefillRequest's when there is none), so one grep joins a request's lines
+across the two services, a rejected request without a request_id included. Exceptions are
+rendered as structured tracebacks without local variables.
 The logger is built per service (structlog.wrap_logger), so nothing global is configured.
 """
 

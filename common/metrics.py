@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily
 
 from common.server.ports import check_port_free, port_error
+from common.counters import Counters
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
@@ -28,9 +29,10 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 class _CountersCollector:
     """Exports a service's StatsService counters (written by its engine thread) at scrape
-    time as kvhandoff_engine_events_total{role, model_name, event}."""
+    time as kvhandoff_engine_events_total{role, model_name, event}; every scrape sees every
+    counter."""
 
-    def __init__(self, labels: tuple[str, str], counters: Mapping[str, int]) -> None:
+    def __init__(self, labels: tuple[str, str], counters: Counters) -> None:
         self.labels = labels  # (role, model_name)
         self.counters = counters
 
@@ -38,15 +40,7 @@ class _CountersCollector:
         family = CounterMetricFamily("kvhandoff_engine_events", "Engine events by kind "
                                      "(the StatsService counters)",
                                      labels=["role", "model_name", "event"])
-        for _ in range(3):  # the engine thread may add a key while we copy
-            try:
-                snapshot = dict(self.counters)
-                break
-            except RuntimeError:
-                continue
-        else:
-            snapshot = {}
-        for event, value in sorted(snapshot.items()):
+        for event, value in sorted(self.counters.snapshot().items()):
             family.add_metric([*self.labels, event], value)
         yield family
 
@@ -57,7 +51,7 @@ class ServiceMetrics:
 
     def __init__(self, role: str, pages_total: Callable[[], int], pages_free: Callable[[], int],
                  running: Callable[[], int], waiting: Callable[[], int], *,
-                 model_name: str = "", counters: Mapping[str, int] | None = None,
+                 model_name: str = "", counters: Counters | None = None,
                  limits: Mapping[str, Callable[[], int]] | None = None) -> None:
         """limits: gauges named kvhandoff_<key> (e.g. max_prompt_tokens, pool_tokens)."""
         self.role = role

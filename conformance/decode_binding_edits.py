@@ -160,7 +160,7 @@ def middle_layer_range_stale(i: ScriptInput) -> list[Step]:
     """A middle layer's second half holds the decoy's KV for that range (stale pages)."""
     if i.decoy is None:
         raise ValueError("the case needs a decoy handoff")
-    layer, per = i.ref.num_layers // 2, i.ref.token_bytes
+    layer, per = i.ref.num_layers // 2, i.ref.k_bytes_per_token_per_layer
     half = (i.ref.token_count // 2) * per
     k, v = list(i.ref.k), list(i.ref.v)
     k[layer] = k[layer][:half] + i.decoy.k[layer][half:]
@@ -183,7 +183,7 @@ def _negated(data: bytes, element: int) -> bytes:
 
 def one_token_negated(i: ScriptInput) -> list[Step]:
     """K and V of one token in the middle of a middle layer negated (not the last position)."""
-    layer, per = i.ref.num_layers // 2, i.ref.token_bytes
+    layer, per = i.ref.num_layers // 2, i.ref.k_bytes_per_token_per_layer
     at = (i.ref.token_count // 2) * per
     element = ELEMENT_BYTES[i.ref.header.layout.dtype]
     k, v = list(i.ref.k), list(i.ref.v)
@@ -195,7 +195,7 @@ def one_token_negated(i: ScriptInput) -> list[Step]:
 def chunk_moved_from_layer_below(i: ScriptInput) -> list[Step]:
     """A middle layer's middle third holds the layer below's KV for that range: a chunk moved
     to another layer, relabelled and resealed (coverage stays exact)."""
-    layer, per, n = i.ref.num_layers // 2, i.ref.token_bytes, i.ref.token_count
+    layer, per, n = i.ref.num_layers // 2, i.ref.k_bytes_per_token_per_layer, i.ref.token_count
     lo, hi = (n // 3) * per, (2 * n // 3) * per
     k, v = list(i.ref.k), list(i.ref.v)
     k[layer] = k[layer][:lo] + i.ref.k[layer - 1][lo:hi] + k[layer][hi:]

@@ -126,7 +126,7 @@ def oversize_tokens(t) -> int:
 def over_max(i: ScriptInput) -> list[Step]:
     """One chunk whose K+V exceed max_chunk_bytes: layout-consistent when the prompt is long
     enough, else the first chunk padded past the limit (SPEC D-26: size is checked first)."""
-    n, per = i.ref.token_count, 2 * i.ref.token_bytes
+    n, per = i.ref.token_count, i.ref.kv_bytes_per_token_per_layer
     need = i.max_chunk_bytes // per + 1
     if need <= n:
         return i.good(i.ref.chunks(i.ref.ranges(need)))

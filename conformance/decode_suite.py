@@ -14,9 +14,10 @@ import zlib
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.handoff.layout import kv_bytes_per_token_per_layer
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from common.server.wait import wait_serving
 from conformance.binding import MIN_NONCE_BYTES
 from conformance.decode_cases import STALL_SECONDS, decode_cases
 from conformance.decode_edits import refusal_then_silence
@@ -25,7 +26,7 @@ from conformance.fake_prefill import Exchange, FakePrefill, passthrough
 from conformance.pool import PoolWatch
 from conformance.report import CaseResult, Selection
 from conformance.runner import Case, NotApplicable, prompt_ids, run_cases
-from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, ERROR_DOMAIN, PROTOCOL_MAJOR, token_bytes
+from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, ERROR_DOMAIN, PROTOCOL_MAJOR
 from conformance.wire import RpcOutcome, outcome_of
 
 C = grpc.StatusCode
@@ -51,7 +52,7 @@ class DecodeTarget:
     def oversize_prompt_tokens(self) -> int:
         """A prompt long enough for one layout-consistent chunk over the negotiated maximum,
         when decode's limits allow it (else the usual length; the case then pads a chunk)."""
-        need = self.negotiated_max_chunk // (2 * token_bytes(self.fake.info.layout)) + 1
+        need = self.negotiated_max_chunk // kv_bytes_per_token_per_layer(self.fake.info.layout) + 1
         return need if need <= self.max_prompt_tokens else 24
 
 
@@ -248,29 +249,16 @@ def suite_cases(stall_deadline: float = 3.0) -> list[Case[DecodeTarget]]:
     ]
 
 
-async def wait_serving(channel: grpc.aio.Channel, timeout: float) -> None:
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
-    last = "no answer"
-    while time.monotonic() < deadline:
-        try:
-            status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                return
-            last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-        except grpc.aio.AioRpcError as err:
-            last = err.code().name
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"decode not SERVING after {timeout:.0f}s (last: {last}); was it started "
-                       f"with --prefill pointing at the fake's listen address?")
-
-
 async def open_target(decode: str, fake: FakePrefill, timeout: float, settle_timeout: float,
                       wait: float) -> DecodeTarget:
     """Waits for the decode to serve, takes its pool baseline and learns its limits."""
     channel = grpc.aio.insecure_channel(decode, options=[  # the decode may start after us
         ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000)])
-    await wait_serving(channel, wait)
+    try:  # in a thread: the fake prefill on this event loop must keep answering meanwhile
+        await asyncio.to_thread(wait_serving, decode, wait)
+    except TimeoutError as err:
+        raise TimeoutError(f"decode {err}; was it started with --prefill pointing at the "
+                           f"fake's listen address?") from err
     pool = PoolWatch(channel)
     base = await pool.take_baseline()
     t = DecodeTarget(channel, fake, pool, timeout, settle_timeout,

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.handoff.layout import k_bytes_per_token_per_layer, kv_bytes_per_token_per_layer
 from common.pb.kvhandoff.v1 import handoff_pb2
 from conformance.binding import chunk_crc, commit_crc
-from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, token_bytes
+from conformance.spec import DEFAULT_MAX_CHUNK_BYTES
 from conformance.wire import crc32c
 
 Frame = handoff_pb2.PrefillResponse
@@ -55,7 +56,7 @@ class Handoff:
     original: list[Frame]
     header: handoff_pb2.HandoffHeader
     commit: handoff_pb2.HandoffCommit
-    k: list[bytes]  # per layer: token_count * token_bytes
+    k: list[bytes]  # per layer: token_count * k_bytes_per_token_per_layer
     v: list[bytes]
 
     @classmethod
@@ -64,7 +65,7 @@ class Handoff:
         if not frames or not frames[0].HasField("header") or not frames[-1].HasField("commit"):
             raise ValueError("the reference handoff is not header ... commit")
         head, tail = frames[0].header, frames[-1].commit
-        n, per = head.token_count, token_bytes(head.layout)
+        n, per = head.token_count, k_bytes_per_token_per_layer(head.layout)
         k = [bytearray(n * per) for _ in range(head.layout.num_layers)]
         v = [bytearray(n * per) for _ in range(head.layout.num_layers)]
         for f in frames[1:-1]:
@@ -86,12 +87,16 @@ class Handoff:
         return self.header.layout.num_layers
 
     @property
-    def token_bytes(self) -> int:
-        return token_bytes(self.header.layout)
+    def k_bytes_per_token_per_layer(self) -> int:
+        return k_bytes_per_token_per_layer(self.header.layout)
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> int:
+        return kv_bytes_per_token_per_layer(self.header.layout)
 
     def kv(self, layer: int, start: int, end: int) -> tuple[bytes, bytes]:
         """K and V bytes of tokens [start, end) of a layer; tokens past the prompt are zeros."""
-        per, n = self.token_bytes, self.token_count
+        per, n = self.k_bytes_per_token_per_layer, self.token_count
         pad = bytes(max(0, end - max(start, n)) * per)
         lo, hi = min(start, n) * per, min(end, n) * per
         return self.k[layer][lo:hi] + pad, self.v[layer][lo:hi] + pad
@@ -109,7 +114,8 @@ class Handoff:
 
     def tokens_per_chunk(self, max_chunk_bytes: int, pieces: int = 3) -> int:
         """Splits each layer into about `pieces` chunks, within the negotiated maximum."""
-        limit = max(1, (max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES) // (2 * self.token_bytes))
+        limit = max(1, (max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES)
+                    // self.kv_bytes_per_token_per_layer)
         return max(1, min(limit, -(-self.token_count // pieces)))
 
     def ranges(self, per_chunk: int, token_count: int | None = None) -> list[tuple[int, int, int]]:

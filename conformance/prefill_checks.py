@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 
+from common.handoff.layout import k_bytes_per_token_per_layer
 from common.pb.kvhandoff.v1 import handoff_pb2
 from conformance.binding import chunk_crc, commit_crc, digest_of
 from conformance.spec import (
@@ -12,7 +13,6 @@ from conformance.spec import (
     ERROR_DOMAIN,
     PROTOCOL_MAJOR,
     REJECTION_STATUS,
-    token_bytes,
 )
 from conformance.wire import Received, crc32c
 
@@ -112,7 +112,7 @@ def _check_header(header, rid: str, n: int, info) -> list[str]:
 def _check_chunks(chunks, rid: str, n: int, layout, max_chunk_bytes: int) -> list[str]:
     problems: list[str] = []
     limit = max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES
-    per_token = token_bytes(layout)
+    per_token = k_bytes_per_token_per_layer(layout)
     covered = [bytearray(n) for _ in range(layout.num_layers)]
     for index, c in enumerate(chunks):
         where = f"chunk {index}"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from common.handoff.layout import DTYPE_BYTES, kv_bytes_per_token_per_layer
 from common.pb.kvhandoff.v1 import common_pb2, handoff_pb2, handoff_pb2_grpc
 from conformance.binding import MIN_NONCE_BYTES
 from conformance.pool import PoolWatch
@@ -26,7 +27,7 @@ from conformance.prefill_content import (
 )
 from conformance.report import CaseResult, Selection
 from conformance.runner import Case, NotApplicable, prompt_ids, run_cases
-from conformance.spec import DTYPE_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR, token_bytes
+from conformance.spec import PROTOCOL_MAJOR, PROTOCOL_MINOR
 from conformance.wire import read_handoff, unknown_field
 
 MAX_AT_LIMIT_TOKENS = 4096  # the at-limit case uses min(max_prompt_tokens, this)
@@ -113,8 +114,8 @@ def _beyond_pool(t: PrefillTarget) -> list[int]:
 
 async def _cancel_mid_stream(t: PrefillTarget) -> list[str]:
     n = min(int(t.info.max_prompt_tokens), 1024)
-    request = t.request("cancel_mid_stream", t.prompt(n, 11),
-                        max_chunk_bytes=2 * token_bytes(t.info.layout))  # one token per chunk
+    request = t.request("cancel_mid_stream", t.prompt(n, 11),  # one token per chunk
+                        max_chunk_bytes=kv_bytes_per_token_per_layer(t.info.layout))
     received = await read_handoff(t.channel, request, t.timeout, stop_after=2)
     kinds = received.kinds()
     if kinds[:1] != ["header"]:
@@ -127,7 +128,7 @@ async def _concurrent(t: PrefillTarget) -> list[str]:
     lengths = [1 + 7 * i for i in range(CONCURRENT_HANDOFFS)]
     limit = int(t.info.max_prompt_tokens)
     requests = [t.request(f"concurrent{i}", t.prompt(min(n, limit), 100 + i),
-                          max_chunk_bytes=2 * token_bytes(t.info.layout) * 4)
+                          max_chunk_bytes=kv_bytes_per_token_per_layer(t.info.layout) * 4)
                 for i, n in enumerate(lengths)]
     streams = await asyncio.gather(*(read_handoff(t.channel, r, t.timeout) for r in requests))
     problems = []
@@ -149,7 +150,7 @@ def _over_window(t: PrefillTarget) -> list[int]:
 
 
 def prefill_cases() -> list[Case[PrefillTarget]]:
-    three_token_chunks = lambda t: 2 * token_bytes(t.info.layout) * 3  # noqa: E731
+    three_token_chunks = lambda t: kv_bytes_per_token_per_layer(t.info.layout) * 3  # noqa: E731
     return [
         Case("handshake_info", "P-16", "MUST", "GetPrefillInfo and GetStats describe a sane, "
              "idle prefill", _check_info),
@@ -200,7 +201,8 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
                         "request_id: REJECTED header only, then INVALID_ARGUMENT",
                         lambda t: t.prompt(3, 12), request_id=""),
         _rejection_case("reject_chunk_limit_too_small", "P-08", "CHUNK_LIMIT_TOO_SMALL",
-                        "max_chunk_bytes below one token: REJECTED, INVALID_ARGUMENT",
+                        "max_chunk_bytes below the K+V of one token in one layer: REJECTED, "
+                        "INVALID_ARGUMENT",
                         lambda t: t.prompt(3, 13), max_chunk_bytes=1),
         _rejection_case("reject_model_mismatch", "P-11", "MODEL_MISMATCH", "another model's "
                         "fingerprint: REJECTED, FAILED_PRECONDITION", lambda t: t.prompt(3, 14),

@@ -1,11 +1,13 @@
 """The facts of SPEC.md the suite checks against: protocol version, reason codes and the gRPC
-status each one ends in (SPEC.md, "Error mapping"), and the wire sizes of each dtype."""
+status each one ends in (SPEC.md, "Error mapping"). The KV sizes of a layout are the protocol's
+own definition, `common.handoff.layout` (k_bytes_per_token_per_layer and its kin)."""
 
 from __future__ import annotations
 
 import grpc
 
 from common.pb.kvhandoff.v1 import common_pb2
+
 
 C = grpc.StatusCode
 
@@ -70,13 +72,6 @@ def rejected_status(reason_code: str) -> grpc.StatusCode:
     return REJECTION_STATUS.get(reason_code, REFUSAL_STATUS["PEER_REJECTED"])
 
 
-DTYPE_BYTES = {
-    common_pb2.KV_DTYPE_FLOAT32: 4,
-    common_pb2.KV_DTYPE_FLOAT16: 2,
-    common_pb2.KV_DTYPE_BFLOAT16: 2,
-}
-
-
 # The suite's default KV tolerance per wire dtype (SPEC.md section 8, "KV content"): two correct
 # prefills of one model agree elementwise within |a - b| <= tol * (1 + |b|). float32: torch ops
 # vs Triton kernels on the demo model reach 3.4e-5 (1..1024 tokens), so 1e-3 leaves ~30x margin;
@@ -86,8 +81,3 @@ KV_TOLERANCE = {
     common_pb2.KV_DTYPE_FLOAT16: 1e-1,
     common_pb2.KV_DTYPE_BFLOAT16: 5e-1,
 }
-
-
-def token_bytes(layout: common_pb2.KvLayout) -> int:
-    """Bytes of K (or of V alone) for one token of one layer; 0 for an unknown dtype."""
-    return layout.num_kv_heads * layout.head_dim * DTYPE_BYTES.get(layout.dtype, 0)

@@ -12,7 +12,6 @@ from google.rpc import error_details_pb2, status_pb2
 from common.pb.kvhandoff.v1 import handoff_pb2
 
 PREFILL_METHOD = "/kvhandoff.v1.HandoffService/Prefill"
-MALFORMED = None  # what grpc hands over for a frame that does not parse
 
 
 def crc32c(k: bytes, v: bytes) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from common.counters import Counters
 from common.errors import ServiceError
 from common.kvpool.allocator import PageOwnershipError
 from common.kvpool.kv_cache import KvPool
@@ -50,7 +51,7 @@ COMMANDS_PER_STEP = 64
 
 class DecodeEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, max_batch: int, max_waiting: int,
-                 log, counters: dict[str, int],
+                 log, counters: Counters,
                  content_checks: ContentCheckConfig | None = None) -> None:
         self.model = model
         self.content_checks = content_checks or ContentCheckConfig()
@@ -274,7 +275,7 @@ class DecodeEngine:
             page_table=table.to(device),
             seq_lens=torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=device))
         logits = self.model.decode(step, self.pool.k, self.pool.v)
-        self.counters["decode_steps"] = self.counters.get("decode_steps", 0) + 1
+        self.counters.add("decode_steps")
         tokens = sample_batch(logits, [s.sampling for s in batch], [s.num_generated for s in batch])
         for seq, pos, token in zip(batch, positions, tokens, strict=True):
             self.pool.allocator.mark_written(seq.request_id, pos + 1)

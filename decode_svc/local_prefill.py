@@ -15,7 +15,6 @@ token, or a ServiceError), so no caller waits forever.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -28,10 +27,8 @@ from common.server.grpc_server import set_serving
 from common.server.runtime import Runtime
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
+from decode_svc.state import DecodeState
 from decode_svc.validation import DecodeLimits
-
-if TYPE_CHECKING:
-    from decode_svc.servicer import DecodeState
 
 
 class LocalPrefillEngine(DecodeEngine):
@@ -68,7 +65,7 @@ class LocalPrefillEngine(DecodeEngine):
                                       device=device),
             cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=device), max_seqlen=n)
         logits = self.model.prefill(batch, self.pool.k, self.pool.v)  # [1, vocab]
-        self.counters["local_prefills"] = self.counters.get("local_prefills", 0) + 1
+        self.counters.add("local_prefills")
         return sample_batch(logits, [sampling], [0])[0]
 
 

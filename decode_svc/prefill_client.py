@@ -17,6 +17,7 @@ from google.protobuf.message import DecodeError
 
 from common.handoff.codec import WireChunkFrame, parse_chunk_fast
 from common.handoff.reasons import HandoffRefused
+from common.log import REQUEST_ID_METADATA
 from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 from common.server.grpc_server import TlsFiles
 
@@ -90,7 +91,7 @@ class PrefillClient:
     def prefill(self, request: handoff_pb2.PrefillRequest, timeout: float) -> HandoffStream:
         """A streaming call; iterate it with `async for`, cancel it with `.cancel()`."""
         return HandoffStream(self._prefill_raw(
-            request, timeout=timeout, metadata=(("x-request-id", request.request_id),)))
+            request, timeout=timeout, metadata=((REQUEST_ID_METADATA, request.request_id),)))
 
     async def close(self) -> None:
         await self.channel.close()

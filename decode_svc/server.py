@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 
 from common.config import DecodeConfig
+from common.counters import Counters
 from common.handoff.layout import PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND, describe_layout
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
@@ -17,6 +18,7 @@ from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, s
 from common.server.auth import BearerTokenInterceptor
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
+from common.server.loopback import is_loopback_host, is_loopback_target
 from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
 from decode_svc.content_check import ContentCheckConfig
@@ -24,7 +26,8 @@ from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import HandoffPolicy
 from decode_svc.local_prefill import LocalPrefillEngine, agree_locally
 from decode_svc.prefill_client import PrefillClient
-from decode_svc.servicer import DecodeState, GenerationServicer
+from decode_svc.servicer import GenerationServicer
+from decode_svc.state import DecodeState
 from decode_svc.validation import DecodeLimits
 
 SERVICE_NAMES = [generate_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name,
@@ -123,8 +126,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     svc = config.service
     log = make_logger("decode")
     runtime = build_runtime(svc, log)
-    refusals: dict[str, int] = {}
-    counters: dict[str, int] = {}
+    refusals, counters = Counters(), Counters()
     engine_class = LocalPrefillEngine if config.local_prefill else DecodeEngine
     content = ContentCheckConfig(config.content_checks, config.verify_depth_positions)
     engine = engine_class(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
@@ -162,10 +164,12 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
         stats_pb2_grpc.add_StatsServiceServicer_to_server(stats, server)
         return SERVICE_NAMES
 
-    if peer_tls is None and svc.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("insecure_handoff", message="decode listens on a non-loopback address and "
-                    "talks to prefill without TLS; configure --tls-cert/--tls-key/--tls-ca")
-    public = svc.host not in ("127.0.0.1", "localhost", "::1")
+    if peer_tls is None and not config.local_prefill and not is_loopback_target(
+            config.prefill_target):
+        log.warning("insecure_handoff", target=config.prefill_target, message="decode talks to "
+                    "a prefill off this machine without TLS: prompts and KV cross the network in "
+                    "clear text; configure --tls-cert/--tls-key/--tls-ca")
+    public = not is_loopback_host(svc.host)
     if public and config.api_token and not config.api_tls_cert:
         log.warning("api_token_without_tls", message="--api-token is set but the client API has "
                     "no TLS: tokens travel in cleartext; set --api-tls-cert/--api-tls-key")
@@ -198,7 +202,7 @@ def serve(config: DecodeConfig, port_file: Path | None = None) -> None:
             running.engine.stop()
             await running.client.close()
 
-        await serve_until_signalled(running.server, running.health, SERVICE_NAMES,
+        await serve_until_signalled(running.server, running.health,
                                     config.service.grace_seconds, on_stop, log=running.log)
 
     run_async(main)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
 
 import grpc
 
+from common.counters import Counters
 from common.errors import ServiceError, abort_with
 from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.layout import KvLayout, protocol_version
@@ -29,24 +29,17 @@ from decode_svc.handoff import HandoffPolicy, ReceivedHandoff, receive_handoff
 from decode_svc.local_prefill import LocalPrefillEngine, prefill_locally
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
+from decode_svc.state import DecodeState
 from decode_svc.validation import DecodeLimits, prompt_ids, validate_generate
 
 FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
-
-
-@dataclass
-class DecodeState:
-    """Facts learned from prefill at start (the handshake); None until agreed."""
-
-    limits: DecodeLimits | None = None
-    refusing: str = ""  # why decode refuses everything (model or layout disagree)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
     def __init__(self, engine: DecodeEngine, client: PrefillClient, state: DecodeState,
                  layout: KvLayout, fingerprint: str, tokenizer: Tokenizer | None,
                  eos_ids: tuple[int, ...], max_chunk_bytes: int, handoff_timeout_s: float,
-                 refusals: dict[str, int], metrics, log,
+                 refusals: Counters, metrics, log,
                  policy: HandoffPolicy | None = None) -> None:
         self.engine = engine
         self.policy = policy or HandoffPolicy()
@@ -129,7 +122,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             self.metrics.ended("cancelled")
             raise
         except HandoffRefused as err:
-            self.refusals[err.reason] = self.refusals.get(err.reason, 0) + 1
+            self.refusals.add(err.reason)
             log.warning("handoff_refused", reason=err.reason, code=err.code.name,
                         message=err.message)
             self.metrics.refused(err.reason)
@@ -156,7 +149,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         decode's own, from its own logits. Prefill's first_token_id is only compared."""
         counters = self.engine.counters
         if not handoff.bound:
-            counters["handoffs_protocol_1_0"] = counters.get("handoffs_protocol_1_0", 0) + 1
+            counters.add("handoffs_protocol_1_0")
         if not self.policy.content.enabled:
             return handoff.advisory_first_token
         verdict: ContentVerdict = await engine_answer(
@@ -166,8 +159,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                  depth_error=round(verdict.depth_error, 8), positions=list(verdict.positions),
                  seconds=round(verdict.seconds, 5))
         if verdict.first_token_id != handoff.advisory_first_token:
-            counters["first_token_disagreements"] = (
-                counters.get("first_token_disagreements", 0) + 1)
+            counters.add("first_token_disagreements")
             log.warning("first_token_disagrees", prefill_first_token=handoff.advisory_first_token,
                         decode_first_token=verdict.first_token_id,
                         message="prefill's first_token_id differs from decode's own; decode's "

@@ -12,6 +12,7 @@ import grpc
 
 from common.errors import error_reason
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from common.server.wait import wait_serving
 from kvhandoff_cli.arguments import HelpFormatter, count, positive_seconds, seed, target, token_ids
 
 FINISH_NAMES = {generate_pb2.FINISH_REASON_STOP: "stop",
@@ -126,30 +127,16 @@ def generate(argv: list[str]) -> int:
     if args.prompt is not None and args.token_ids is not None:
         p.error("give a PROMPT or --token-ids, not both")
     try:
-        if args.wait > 0 and not _wait_serving(args.target, args.wait, args.tls_ca):
-            print(f"error: {args.target} was not SERVING within {args.wait}s", file=sys.stderr)
-            return 1
+        if args.wait > 0:
+            creds = (grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
+                     if args.tls_ca else None)
+            try:
+                wait_serving(args.target, args.wait, credentials=creds)
+            except TimeoutError as err:
+                print(f"error: {err}", file=sys.stderr)
+                return 1
         return asyncio.run(_stream(args))
     except KeyboardInterrupt:  # Ctrl-C: the call is cancelled, which the server logs and counts
         print("\ncancelled", file=sys.stderr, flush=True)
         return 130
 
-
-def _wait_serving(target: str, seconds: float, tls_ca: str) -> bool:
-    import time
-
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + seconds
-    creds = grpc.ssl_channel_credentials(Path(tls_ca).read_bytes()) if tls_ca else None
-    with (grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while time.monotonic() < deadline:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return True
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    return False

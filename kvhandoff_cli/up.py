@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.pb.kvhandoff.v1 import stats_pb2, stats_pb2_grpc
+from common.server.launch import ServiceProcess, launch, stop_processes
+from common.server.wait import wait_serving
 from common.server.ports import PortUnavailable, check_port_free
 from kvhandoff_cli.arguments import HelpFormatter
 
@@ -32,6 +33,7 @@ class ChildStderr:
 
     def __init__(self, role: str, proc: subprocess.Popen) -> None:
         self.role = role
+        self.proc = proc
         self.lines: collections.deque[str] = collections.deque(maxlen=50)
         self._thread = threading.Thread(target=self._copy, args=(proc.stderr,), daemon=True)
         self._thread.start()
@@ -54,35 +56,6 @@ def _failed(child: ChildStderr, proc: subprocess.Popen, err: Exception) -> str:
     if proc.poll() is None:
         return f"{child.role}: {err}"
     return f"{child.role} exited with status {proc.returncode} before serving: {child.why()}"
-
-
-def wait_port_file(path: Path, proc: subprocess.Popen, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before serving")
-        if path.exists() and path.read_text().strip():
-            return int(path.read_text())
-        time.sleep(0.05)
-    raise TimeoutError(f"no port after {timeout}s")
-
-
-def wait_serving(address: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Polls the standard health service until it says SERVING."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"process exited with {proc.returncode} before serving")
-            try:
-                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
-                if status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"{address} not SERVING after {timeout}s")
 
 
 def _pool_line(address: str) -> str:
@@ -160,7 +133,7 @@ def up(argv: list[str]) -> int:
     if args.allow_context_beyond_pool:
         common.append("--allow-context-beyond-pool")
     cli = [sys.executable, "-m", "kvhandoff_cli.main"]
-    procs: list[subprocess.Popen] = []
+    services: list[ServiceProcess] = []
     children: list[ChildStderr] = []
     stopping = False
 
@@ -168,30 +141,30 @@ def up(argv: list[str]) -> int:
         nonlocal stopping
         stopping = True
 
+    def watch(role: str):
+        return lambda proc: children.append(ChildStderr(role, proc))
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            prefill_port_file = Path(tmp) / "prefill.port"
-            procs.append(subprocess.Popen(
-                [*cli, "prefill", *common, "--port", str(args.prefill_port),
-                 "--pool-tokens", str(args.prefill_pool_tokens), "--port-file",
-                 str(prefill_port_file), "--metrics-port", str(prefill_metrics),
-                 *shlex.split(args.prefill_args)], stderr=subprocess.PIPE, text=True))
-            children.append(ChildStderr("prefill", procs[0]))
-            prefill_port = wait_port_file(prefill_port_file, procs[0], args.start_timeout)
-            prefill_address = f"{args.host}:{prefill_port}"
-            decode_port_file = Path(tmp) / "decode.port"
-            procs.append(subprocess.Popen(
-                [*cli, "decode", *common, "--port", str(args.port), "--prefill", prefill_address,
-                 "--pool-tokens", str(args.decode_pool_tokens), "--port-file",
-                 str(decode_port_file), "--metrics-port", str(decode_metrics),
-                 *shlex.split(args.decode_args)], stderr=subprocess.PIPE, text=True))
-            children.append(ChildStderr("decode", procs[1]))
-            decode_port = wait_port_file(decode_port_file, procs[1], args.start_timeout)
-            address = f"{args.host}:{decode_port}"
-            wait_serving(prefill_address, procs[0], args.start_timeout)
-            wait_serving(address, procs[1], args.start_timeout)
+            services.append(launch(
+                "prefill", [*cli, "prefill", *common, "--port", str(args.prefill_port),
+                            "--pool-tokens", str(args.prefill_pool_tokens), "--metrics-port",
+                            str(prefill_metrics), *shlex.split(args.prefill_args)],
+                Path(tmp) / "prefill.port", args.start_timeout, host=args.host,
+                wait_until_serving=False, capture_stderr=True, on_start=watch("prefill")))
+            prefill_address = services[0].address
+            services.append(launch(
+                "decode", [*cli, "decode", *common, "--port", str(args.port), "--prefill",
+                           prefill_address, "--pool-tokens", str(args.decode_pool_tokens),
+                           "--metrics-port", str(decode_metrics),
+                           *shlex.split(args.decode_args)],
+                Path(tmp) / "decode.port", args.start_timeout, host=args.host,
+                wait_until_serving=False, capture_stderr=True, on_start=watch("decode")))
+            address = services[1].address
+            for service in services:  # both warm up at once; each wait is for its own process
+                wait_serving(service.address, args.start_timeout, proc=service.proc)
             with grpc.insecure_channel(address) as channel:
                 limit = stats_pb2_grpc.StatsServiceStub(channel).GetStats(
                     stats_pb2.GetStatsRequest(), timeout=5).pool.max_prompt_tokens
@@ -199,27 +172,20 @@ def up(argv: list[str]) -> int:
                   f"max prompt {limit} tokens; prefill pool {_pool_line(prefill_address)}, "
                   f"decode pool {_pool_line(address)}"
                   + (f"; {DEMO_NOTE}" if args.model == "demo" else ""), flush=True)
+            procs = [child.proc for child in children]
             while not stopping and all(proc.poll() is None for proc in procs):
                 time.sleep(0.2)
-            failed = [i for i, proc in enumerate(procs) if proc.poll() not in (None, 0)]
+            failed = [child for child in children if child.proc.poll() not in (None, 0)]
             if failed and not stopping:
-                i = failed[0]
-                print(f"kvhandoff up: {children[i].role} exited with status "
-                      f"{procs[i].returncode}: {children[i].why()}", file=sys.stderr)
+                child = failed[0]
+                print(f"kvhandoff up: {child.role} exited with status "
+                      f"{child.proc.returncode}: {child.why()}", file=sys.stderr)
                 return 1
             return 0
         except (RuntimeError, TimeoutError) as err:
-            # procs and children grow together; blame the child that exited, else the last
-            i = next((i for i, proc in enumerate(procs) if proc.poll() not in (None, 0)),
-                     len(procs) - 1)
-            print(f"kvhandoff up: {_failed(children[i], procs[i], err)}", file=sys.stderr)
+            # blame the child that exited, else the last one started
+            child = next((c for c in children if c.proc.poll() not in (None, 0)), children[-1])
+            print(f"kvhandoff up: {_failed(child, child.proc, err)}", file=sys.stderr)
             return 1
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_processes([child.proc for child in reversed(children)], timeout=15)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.counters import Counters
 from common.handoff.codec import chunk_wire, commit_frame, frame_wire
 from common.handoff.layout import KvLayout
 from common.kvpool.kv_cache import KvPool
@@ -45,19 +46,15 @@ class PrefillJob:
     unsent: JobBytes = field(default_factory=JobBytes)
 
 
-DEFAULT_UNSENT_BYTES = 512 << 20
-
-
 class _BatchCancelled(Exception):
     pass
 
 
 class PrefillEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, layout: KvLayout, max_batch_tokens: int,
-                 log, counters: dict[str, int], metrics=None,
-                 send_budget: SendBudget | None = None) -> None:
+                 log, counters: Counters, send_budget: SendBudget, metrics=None) -> None:
         self.model = model
-        self.send_budget = send_budget or SendBudget(DEFAULT_UNSENT_BYTES)
+        self._send_budget = send_budget
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.pool = pool
         self.layout = layout
@@ -66,6 +63,7 @@ class PrefillEngine:
         self.counters = counters
         self._inbox: queue.Queue[PrefillJob | None] = queue.Queue()
         self._waiting: deque[PrefillJob] = deque()
+        self._running = 0  # jobs in the batch being computed; written by the engine thread only
         self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
 
     def start(self) -> None:
@@ -80,6 +78,20 @@ class PrefillEngine:
 
     def waiting_count(self) -> int:
         return len(self._waiting) + self._inbox.qsize()
+
+    def running_count(self) -> int:
+        """Requests in the batch being computed now (their pages are held); any thread."""
+        return self._running
+
+    def frame_sent(self, job: PrefillJob, nbytes: int) -> None:
+        """The servicer handed one of job's frames (nbytes long) to gRPC: its bytes leave the
+        send budget."""
+        self._send_budget.release(job.unsent, nbytes)
+
+    def stream_ended(self, job: PrefillJob) -> None:
+        """job's stream is over (done, cancelled or failed): frames never sent leave the
+        budget, and the engine acquires nothing more for it."""
+        self._send_budget.close(job.unsent)
 
     def _run(self) -> None:
         while True:
@@ -131,22 +143,21 @@ class PrefillEngine:
         return batch
 
     def _run_batch(self, batch: list[PrefillJob]) -> None:
+        self._running = len(batch)
         try:
             started = time.monotonic()
             logits = self._forward(batch)
             self.metrics.prefill(time.monotonic() - started,
                                  sum(len(j.token_ids) for j in batch), len(batch))
-            self.counters["forward_passes"] = self.counters.get("forward_passes", 0) + 1
+            self.counters.add("forward_passes")
             firsts = sample_batch(logits, [j.sampling for j in batch], [0] * len(batch))
             for job, first in zip(batch, firsts):
                 if not job.cancelled.is_set():
                     job.emit(frame_wire(commit_frame(job.request_id, len(job.token_ids),
                                                      job.chunks_sent, first, nonce=job.nonce)))
-                    done = self.counters.get("handoffs_completed", 0)
-                    self.counters["handoffs_completed"] = done + 1
-                    self.metrics.handoff(time.monotonic() - job.submitted, 2 * len(job.token_ids)
-                                         * self.layout.num_layers
-                                         * self.layout.bytes_per_token_per_layer)
+                    self.counters.add("handoffs_completed")
+                    self.metrics.handoff(time.monotonic() - job.submitted,
+                                         len(job.token_ids) * self.layout.kv_bytes_per_token)
         except _BatchCancelled:
             self.log.info("prefill_cancelled", request_ids=[j.request_id for j in batch])
         except Exception as exc:  # the stream must end with ABORTED, never with partial silence
@@ -158,6 +169,7 @@ class PrefillEngine:
                         handoff_pb2.HANDOFF_STATUS_ABORTED, f"prefill failed: {exc}",
                         job.nonce)))
         finally:
+            self._running = 0
             for job in batch:
                 self.pool.release(job.request_id)
                 try:
@@ -203,7 +215,7 @@ class PrefillEngine:
             count = min(job.chunk_tokens, n - start)
             kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
             frame = chunk_wire(job.request_id, job.chunks_sent, layer, start, kv, job.nonce)
-            if not self.send_budget.acquire(job.unsent, len(frame), job.cancelled):
+            if not self._send_budget.acquire(job.unsent, len(frame), job.cancelled):
                 return  # the stream is gone; the next layer boundary drops the job
             job.emit(frame)
             job.chunks_sent += 1

@@ -27,6 +27,7 @@ class SendBudget:
     def __init__(self, limit_bytes: int) -> None:
         self.limit_bytes = limit_bytes
         self.pending = 0
+        self.waiting = 0  # acquire calls inside their wait for room right now
         self._cond = threading.Condition()
 
     def acquire(self, job: JobBytes, nbytes: int, cancelled: threading.Event) -> bool:
@@ -35,7 +36,11 @@ class SendBudget:
             while self.pending > 0 and self.pending + nbytes > self.limit_bytes:
                 if job.closed or cancelled.is_set():
                     return False
-                self._cond.wait(0.05)
+                self.waiting += 1
+                try:
+                    self._cond.wait(0.05)
+                finally:
+                    self.waiting -= 1
             if job.closed or cancelled.is_set():
                 return False
             job.held += nbytes

@@ -9,12 +9,14 @@ from pathlib import Path
 import grpc
 
 from common.config import PrefillConfig
+from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import handoff_pb2, stats_pb2, stats_pb2_grpc
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
+from common.server.loopback import is_loopback_host
 from common.server.runtime import build_runtime, warm_up
 from common.server.stats import StatsServicer
 from prefill_svc.engine import PrefillEngine
@@ -40,24 +42,24 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     svc = config.service
     log = make_logger("prefill")
     runtime = build_runtime(svc, log)
-    refusals: dict[str, int] = {}
-    counters: dict[str, int] = {}
+    refusals, counters = Counters(), Counters()
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("prefill", lambda: allocator.num_pages,
-                             lambda: allocator.snapshot().pages_free, lambda: 0,
-                             lambda: engine.waiting_count(), model_name=svc.model,
+                             lambda: allocator.snapshot().pages_free,
+                             lambda: engine.running_count(), lambda: engine.waiting_count(),
+                             model_name=svc.model,
                              counters=counters,
                              limits=capacity_gauges(runtime.capacity,
                                                     lambda: runtime.capacity.max_prompt_tokens))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
-                           log, counters, metrics, SendBudget(config.max_unsent_bytes))
+                           log, counters, SendBudget(config.max_unsent_bytes), metrics)
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,
         pool_tokens=runtime.capacity.pool_tokens, model_fingerprint=runtime.loaded.fingerprint,
-        min_chunk_bytes=2 * runtime.layout.bytes_per_token_per_layer)
+        min_chunk_bytes=runtime.layout.kv_bytes_per_token_per_layer)
     stats = StatsServicer("prefill", allocator, runtime.capacity,
                           lambda: runtime.capacity.max_prompt_tokens, refusals, counters,
-                          lambda: 0, engine.waiting_count)
+                          engine.running_count, engine.waiting_count)
     handoff = HandoffServicer(engine, runtime.layout, runtime.capacity, limits, refusals, log,
                               metrics)
 
@@ -67,7 +69,7 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
         return SERVICE_NAMES
 
     tls = TlsFiles(svc.tls_cert, svc.tls_key, svc.tls_ca) if svc.tls_cert else None
-    if tls is None and svc.host not in ("127.0.0.1", "localhost", "::1"):
+    if tls is None and not is_loopback_host(svc.host):
         log.warning("insecure_handoff", message="the handoff service listens without TLS on a "
                     "non-loopback address; configure --tls-cert/--tls-key/--tls-ca")
     server, port, health = await create_server(register, svc.host, svc.port, tls,
@@ -89,7 +91,7 @@ def serve(config: PrefillConfig, port_file: Path | None = None) -> None:
         async def on_stop() -> None:
             running.engine.stop()
 
-        await serve_until_signalled(running.server, running.health, SERVICE_NAMES,
+        await serve_until_signalled(running.server, running.health,
                                     config.service.grace_seconds, on_stop, log=running.log)
 
     run_async(main)

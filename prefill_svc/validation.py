@@ -28,7 +28,7 @@ class PrefillLimits:
     context_window: int
     pool_tokens: int
     model_fingerprint: str
-    min_chunk_bytes: int
+    min_chunk_bytes: int  # K+V bytes of one token in one layer: the smallest chunk payload
 
 
 def validate_prefill(request: handoff_pb2.PrefillRequest,
@@ -63,5 +63,6 @@ def validate_prefill(request: handoff_pb2.PrefillRequest,
                          f"holds only {limits.pool_tokens} tokens even when empty")
     if request.max_chunk_bytes and request.max_chunk_bytes < limits.min_chunk_bytes:
         return Rejection("CHUNK_LIMIT_TOO_SMALL", f"max_chunk_bytes {request.max_chunk_bytes} is "
-                         f"below one token of one layer ({limits.min_chunk_bytes} bytes)")
+                         f"below the K+V bytes of one token in one layer "
+                         f"({limits.min_chunk_bytes})")
     return None

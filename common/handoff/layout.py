@@ -1,12 +1,19 @@
-"""KV layouts on the wire and their torch dtypes."""
+"""KV layouts on the wire and their torch dtypes, and the one definition of how many bytes KV
+takes: per token and layer for K alone (a chunk's `k` or `v` field), K plus V (the smallest
+chunk payload), and K plus V over all layers (what a pool holds per token)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.pb.kvhandoff.v1 import common_pb2
+
+if TYPE_CHECKING:
+    from common.model.config import ModelConfig
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 1
@@ -21,6 +28,24 @@ _DTYPES = {
     torch.bfloat16: common_pb2.KV_DTYPE_BFLOAT16,
 }
 _TORCH = {v: k for k, v in _DTYPES.items()}
+# bytes of one element of each wire dtype (SPEC.md, KvLayout)
+DTYPE_BYTES = {
+    common_pb2.KV_DTYPE_FLOAT32: 4,
+    common_pb2.KV_DTYPE_FLOAT16: 2,
+    common_pb2.KV_DTYPE_BFLOAT16: 2,
+}
+
+
+def k_bytes_per_token_per_layer(layout: common_pb2.KvLayout) -> int:
+    """Bytes of K for one token in one layer of a wire layout (V is the same size): a chunk's
+    `k` and `v` are each (token_end - token_start) times this. 0 for an unknown dtype."""
+    return layout.num_kv_heads * layout.head_dim * DTYPE_BYTES.get(layout.dtype, 0)
+
+
+def kv_bytes_per_token_per_layer(layout: common_pb2.KvLayout) -> int:
+    """Bytes of K plus V for one token in one layer: the smallest chunk payload, and the least
+    max_chunk_bytes a prefill accepts (CHUNK_LIMIT_TOO_SMALL below it)."""
+    return 2 * k_bytes_per_token_per_layer(layout)
 
 
 def wire_dtype(dtype: torch.dtype) -> int:
@@ -38,19 +63,29 @@ class KvLayout:
     head_dim: int
     dtype: torch.dtype
 
-    @property
-    def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+    @classmethod
+    def from_model(cls, model: ModelConfig, dtype: torch.dtype) -> KvLayout:
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+
+    @cached_property
+    def k_bytes_per_token_per_layer(self) -> int:
+        """Bytes of K (V is the same size) for one token in one layer."""
+        return k_bytes_per_token_per_layer(self.to_proto())
 
     @property
-    def bytes_per_token_per_layer(self) -> int:
-        """Bytes of K (or of V alone) for one token in one layer."""
-        return self.num_kv_heads * self.head_dim * self.element_size
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """Bytes of K plus V for one token in one layer (the smallest chunk payload)."""
+        return 2 * self.k_bytes_per_token_per_layer
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K plus V for one token over all layers (what the pool holds per token)."""
+        return self.num_layers * self.kv_bytes_per_token_per_layer
 
     def chunk_tokens(self, max_chunk_bytes: int) -> int:
         """Tokens per chunk so that K plus V stay near TARGET_CHUNK_BYTES and within the maximum."""
         budget = min(TARGET_CHUNK_BYTES, max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES)
-        return max(1, budget // (2 * self.bytes_per_token_per_layer))
+        return max(1, budget // self.kv_bytes_per_token_per_layer)
 
     def to_proto(self) -> common_pb2.KvLayout:
         return common_pb2.KvLayout(

@@ -87,14 +87,12 @@ class HandoffVerifier:
         name = handoff_pb2.HandoffStatus.Name(status) if known else str(status)
         raise self._fail("STATUS_UNSPECIFIED", f"{frame_name} status is {name}, not OK")
 
-    def on_frame(self, frame: handoff_pb2.PrefillResponse | None) -> VerifiedChunk | None:
-        """Checks one frame; returns the chunk to write when it is a verified chunk. None is a
-        frame that did not parse (grpc hands over None when the deserializer fails)."""
+    def on_frame(self, frame: handoff_pb2.PrefillResponse) -> VerifiedChunk | None:
+        """Checks one parsed frame; returns the chunk to write when it is a verified chunk. (A
+        frame that does not parse never gets here: decode's frame parser refuses it as
+        FRAME_MALFORMED, `decode_svc.prefill_client.parse_frame`.)"""
         if self.state == HandoffState.REFUSED:
             raise refuse("FRAME_AFTER_COMMIT", "frame after the handoff was refused")
-        if frame is None:
-            raise self._fail("FRAME_MALFORMED", "a frame did not parse as a kvhandoff.v1 "
-                             "PrefillResponse")
         kind = frame.WhichOneof("frame")
         if kind is None:
             raise self._fail("FRAME_EMPTY", "a frame carries neither header, chunk nor commit")
@@ -174,7 +172,7 @@ class HandoffVerifier:
         if payload > limit:
             raise self._fail("FRAME_TOO_LARGE", f"chunk payload {payload} bytes exceeds the "
                              f"negotiated maximum {limit}")
-        expected = (end - start) * layout.bytes_per_token_per_layer
+        expected = (end - start) * layout.k_bytes_per_token_per_layer
         if len(chunk.k) != expected or len(chunk.v) != expected:
             raise self._fail("CHUNK_SIZE_MISMATCH", f"chunk K/V are {len(chunk.k)}/{len(chunk.v)} "
                              f"bytes; the layout needs {expected} for {end - start} tokens")

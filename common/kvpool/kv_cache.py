@@ -62,10 +62,3 @@ class KvPool:
     def slots_for(self, pages: list[int], token_start: int, token_end: int) -> list[int]:
         s = self.page_size
         return [pages[t // s] * s + t % s for t in range(token_start, token_end)]
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """K and V bytes of one token across all layers."""
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * element

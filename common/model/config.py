@@ -28,11 +28,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
-    @property
-    def kv_bytes_per_token_per_layer_element(self) -> int:
-        """Elements of K (or V) per token and layer."""
-        return self.num_kv_heads * self.head_dim
-
     @classmethod
     def from_hf_dict(cls, raw: dict) -> ModelConfig:
         """Validates an HF config.json dict; raises UnsupportedModelError with the reason."""

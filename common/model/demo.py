@@ -3,16 +3,12 @@ character tokenizer, made locally (nothing downloaded). Its output is fluent-loo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from common.model.config import ModelConfig
 from common.model.fingerprint import fingerprint_weights
+from common.model.loaded import LoadedModel
 from common.tokenizer import CharTokenizer
-
-if TYPE_CHECKING:
-    from common.model.loader import LoadedModel
 
 DEMO_SEED = 20260101
 
@@ -60,8 +56,6 @@ def _demo_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def build_demo_model() -> LoadedModel:
-    from common.model.loader import LoadedModel
-
     tokenizer = CharTokenizer()
     raw = demo_hf_config(tokenizer.vocab_size)
     config = ModelConfig.from_hf_dict(raw)

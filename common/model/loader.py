@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,18 +11,8 @@ from safetensors.torch import load_file
 from common.model.config import ModelConfig, UnsupportedModelError
 from common.model.demo import build_demo_model
 from common.model.fingerprint import fingerprint_checkpoint
-from common.tokenizer import HfTokenizer, Tokenizer
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """Everything a service needs about its model; weights stay on the CPU until placed."""
-
-    config: ModelConfig
-    weights: dict[str, torch.Tensor]
-    tokenizer: Tokenizer | None
-    fingerprint: str
-    source: str
+from common.model.loaded import LoadedModel
+from common.tokenizer import HfTokenizer
 
 
 def load_model(spec: str) -> LoadedModel:

@@ -220,12 +220,12 @@ async def drain(server: grpc.aio.Server, state: ServingState, grace: float,
 
 
 async def serve_until_signalled(server: grpc.aio.Server, health_servicer: ServingState,
-                                names: list[str], grace: float,
+                                grace: float,
                                 on_stop: Callable[[], Awaitable[None]] | None = None,
                                 log=None) -> None:
-    """Serves until SIGTERM/SIGINT, then drains (see `drain`); a second signal cuts the drain
-    short. on_stop runs after the server has stopped (stop engines, close channels)."""
-    del names  # every service goes NOT_SERVING through the health servicer's shutdown mode
+    """Serves until SIGTERM/SIGINT, then drains (see `drain`: every service goes NOT_SERVING
+    through the health servicer's shutdown mode); a second signal cuts the drain short.
+    on_stop runs after the server has stopped (stop engines, close channels)."""
     stop, force = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 

@@ -12,7 +12,8 @@ from common.config import ServiceConfig
 from common.handoff.layout import KvLayout
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.model.llama import LlamaModel
-from common.model.loader import LoadedModel, load_model
+from common.model.loaded import LoadedModel
+from common.model.loader import load_model
 from common.ops.select import make_ops, resolve_backend, triton_is_interpreted
 
 
@@ -53,7 +54,7 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
         check_owners=config.check_page_owners)
     c = loaded.config
     pool = KvPool(pool_config, c.num_layers, c.num_kv_heads, c.head_dim, dtype, device)
-    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+    layout = KvLayout.from_model(c, dtype)
     log.info("runtime_ready", model=loaded.source, fingerprint=loaded.fingerprint,
              device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
              **capacity.describe())

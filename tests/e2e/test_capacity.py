@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -14,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.errors import error_reason
 from tests.helpers.checkpoints import SPECS, make_checkpoint
 from tests.helpers.cluster import REPO, generate, start_service
+from tests.helpers.polling import assert_holds, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -36,10 +36,8 @@ def _health(address: str) -> int:
 
 
 def _wait_for_log(service, event: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while event not in service.log_text():
-        assert time.monotonic() < deadline, f"no {event} in log:\n{service.log_text()[-2000:]}"
-        time.sleep(0.1)
+    wait_until(lambda: event in service.log_text(), timeout,
+               lambda: f"{event} in log:\n{service.log_text()[-2000:]}")
 
 
 @pytest.mark.parametrize("mismatch", ["model", "layout"])
@@ -89,12 +87,12 @@ def test_replicas_that_disagree_leave_decode_with_the_strictest_limit(tmp_path):
         "--model", "demo", "--prefill", target, "--pool-tokens", "2048",
         "--max-context-tokens", "512", "--prefill-info-interval-s", "0.2"])
     try:
-        deadline = time.monotonic() + 60
-        while decode.stats().pool.max_prompt_tokens != 128:
-            assert time.monotonic() < deadline, decode.stats().pool
-            time.sleep(0.2)
-        assert "prefill_limits_disagree" in decode.log_text() or (
-            '"prefill_max_prompt": 128' in decode.log_text())
+        wait_until(lambda: decode.stats().pool.max_prompt_tokens == 128, 60,
+                   lambda: f"decode at the strict replica's limit: {decode.stats().pool}")
+        # round_robin asks each replica in turn every 0.2 s: over ten intervals decode hears
+        # from the loose one again and again, and must keep the strict limit throughout
+        assert_holds(lambda: decode.stats().pool.max_prompt_tokens == 128, 10 * 0.2,
+                     lambda: f"decode at the strict limit: {decode.log_text()[-2000:]}")
         with pytest.raises(grpc.RpcError) as info:
             generate(decode.address, token_ids=[5] * 200, max_tokens=2)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

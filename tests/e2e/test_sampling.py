@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.tokenizer import CharTokenizer
 from tests.helpers.cluster import generate, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -44,5 +45,11 @@ def test_top_k_one_is_greedy(cluster):
 
 
 def test_text_prompt_streams_text(cluster):
+    """A text prompt is the demo tokenizer's ids, and the tokens stream their decoded text."""
+    tokenizer = CharTokenizer()
     got = generate(cluster.address, text="Hello", max_tokens=8, ignore_eos=True)
-    assert len(got.token_ids) == 8
+    by_ids = generate(cluster.address, token_ids=tokenizer.encode("Hello"), max_tokens=8,
+                      ignore_eos=True)
+    assert len(got.token_ids) == 8 and got.token_ids == by_ids.token_ids
+    assert got.text == tokenizer.decode(got.token_ids)
+    assert got.text, "the demo's 8 greedy tokens decode to no text at all"

@@ -3,6 +3,8 @@ indirectly: max_chunk_bytes 0, the size limit, the deadline margin."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from common.handoff.reasons import HandoffRefused
@@ -30,11 +32,37 @@ def test_max_chunk_bytes_zero_means_the_default():
     assert verifier.finish() == 3
 
 
+class _Unreadable:
+    """A payload whose length is known but whose bytes cannot be read: checksumming or copying
+    it raises TypeError."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _ChunkFrame:
+    """A chunk frame as the verifier reads one (WhichOneof, .chunk), around any payload."""
+
+    def __init__(self, **fields) -> None:
+        self.chunk = SimpleNamespace(**fields)
+
+    def WhichOneof(self, oneof: str) -> str:  # noqa: N802 (the protobuf method's name)
+        return "chunk"
+
+
 def test_a_chunk_over_the_limit_is_refused_before_its_bytes_are_read():
+    """Refused on the lengths alone: the payload is never read, and neither its size against
+    the layout (40 bytes each where 2 tokens need 32) nor its crc32c (0) is checked first."""
     verifier = _verifier(63)
     verifier.on_frame(_header())
+    frame = _ChunkFrame(request_id="r1", nonce=TINY.nonce, sequence_number=0, layer=0,
+                        token_start=0, token_end=2, k=_Unreadable(40), v=_Unreadable(40),
+                        crc32c=0)
     with pytest.raises(HandoffRefused) as refused:
-        verifier.on_frame(_chunk())
+        verifier.on_frame(frame)
     assert refused.value.reason == "FRAME_TOO_LARGE"
 
 

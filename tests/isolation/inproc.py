@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.counters import Counters
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.model.config import ModelConfig
 from common.model.llama import LlamaModel, PrefillBatch
@@ -104,7 +105,7 @@ class Harness:
             pool_tokens=512, page_size=decode_pool.page_size, poison_freed=True))
         self.pool = make_pool(self.model, decode_pool)
         self.log = RecordingLog()
-        self.counters: dict[str, int] = {}
+        self.counters = Counters()
         self.engine = DecodeEngine(self.model, self.pool, max_batch, 1000, self.log, self.counters)
         self.outcomes: dict[str, Outcome] = {}
         self.hooks: dict[str, Callable[[Sequence, Event], None]] = {}

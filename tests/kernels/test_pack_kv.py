@@ -55,7 +55,13 @@ def test_unpack_then_pack_round_trips(
 
 
 def test_empty_request(make_paged_kv):
+    """Zero tokens: pack gives an empty buffer and unpack writes no slot of either cache."""
     paged = make_paged_kv([5], 16, 2, 64, F32)
-    buffer = pack_kv(paged.k_cache, paged.v_cache, paged.page_table[0], 5, 0)
+    page_table = paged.page_table[0]
+    buffer = pack_kv(paged.k_cache, paged.v_cache, page_table, 5, 0)
     assert buffer.shape == (2, 0, 2, 64)
-    unpack_kv(buffer, paged.k_cache, paged.v_cache, paged.page_table[0], 5)
+    assert torch.equal(buffer, pack_kv_reference(paged.k_cache, paged.v_cache, page_table, 5, 0))
+    k_before, v_before = paged.k_cache.clone(), paged.v_cache.clone()
+    unpack_kv(buffer, paged.k_cache, paged.v_cache, page_table, 5)
+    torch.testing.assert_close(paged.k_cache, k_before, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(paged.v_cache, v_before, atol=0, rtol=0, equal_nan=True)

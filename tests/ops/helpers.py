@@ -66,15 +66,20 @@ def generate_reply(address: str, token_ids: list[int], max_tokens: int,
     request = generate_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True)
     request.token_ids.ids.extend(token_ids)
     tokens: list[int] = []
+    reply = None
     with grpc.insecure_channel(address) as channel:
+        # read to the end of the stream: leaving after the finished message would cancel the
+        # call while decode still logs the request's last phase (request_finished)
         for response in generate_pb2_grpc.GenerationServiceStub(channel).Generate(
                 request, timeout=timeout):
             if response.HasField("token"):
                 tokens.append(response.token.token_id)
             else:
-                return Reply(response.finished.request_id, tokens,
-                             response.finished.usage.completion_tokens)
-    raise AssertionError(f"stream ended without a finished message after {tokens}")
+                reply = Reply(response.finished.request_id, tokens,
+                              response.finished.usage.completion_tokens)
+    if reply is None:
+        raise AssertionError(f"stream ended without a finished message after {tokens}")
+    return reply
 
 
 def start_demo_cluster(workdir: Path, **kwargs) -> Cluster:

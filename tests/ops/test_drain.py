@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import threading
-import time
 
 import grpc
 import pytest
@@ -21,7 +20,9 @@ from grpc_status import rpc_status
 
 from kvhandoff_cli.health_probe import check
 from common.server.grpc_server import create_server, drain, set_serving
+from tests.faults.waits import wait_pages_taken
 from tests.helpers.cluster import start_cluster
+from tests.helpers.polling import await_until, wait_until
 from tests.ops.helpers import generate_reply
 
 SERVICE = "test.Slow"
@@ -62,14 +63,6 @@ def _reason(err: grpc.aio.AioRpcError) -> str:
     return info.reason
 
 
-async def _until(predicate, what: str) -> None:
-    for _ in range(2000):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"never: {what}")
-
-
 async def test_drain_keeps_health_answering_and_finishes_in_flight_work():
     slow = SlowService()
     server, port, state = await create_server(slow.register, "127.0.0.1", 0, None, 1 << 20)
@@ -81,9 +74,9 @@ async def test_drain_keeps_health_answering_and_finishes_in_flight_work():
         unary_call = asyncio.ensure_future(wait(b"x", timeout=60))
         stream_call = stream(b"x", timeout=60)
         assert await stream_call.read() == b"first"
-        await _until(lambda: state.in_flight == 2, "two calls in flight")
+        await await_until(lambda: state.in_flight == 2, 10, "two calls in flight")
         drained = asyncio.ensure_future(drain(server, state, grace=60))
-        await _until(lambda: state.draining, "drain started")
+        await await_until(lambda: state.draining, 10, "drain started")
         for name in ("", SERVICE):
             reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
             assert reply.status == NOT_SERVING
@@ -108,11 +101,11 @@ async def test_drain_cancels_what_outlives_the_grace_time():
     await set_serving(state, [SERVICE], True)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = asyncio.ensure_future(channel.unary_unary(f"/{SERVICE}/Wait")(b"x", timeout=60))
-        await _until(lambda: state.in_flight == 1, "call in flight")
+        await await_until(lambda: state.in_flight == 1, 10, "call in flight")
         assert await drain(server, state, grace=0.2) is False
         with pytest.raises(grpc.aio.AioRpcError):
             await call
-    await _until(lambda: state.in_flight == 0, "cancelled call counted out")
+    await await_until(lambda: state.in_flight == 0, 10, "cancelled call counted out")
     assert slow.cancelled == 1
 
 
@@ -121,7 +114,7 @@ async def test_forced_drain_stops_at_once():
     server, port, state = await create_server(slow.register, "127.0.0.1", 0, None, 1 << 20)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = asyncio.ensure_future(channel.unary_unary(f"/{SERVICE}/Wait")(b"x", timeout=60))
-        await _until(lambda: state.in_flight == 1, "call in flight")
+        await await_until(lambda: state.in_flight == 1, 10, "call in flight")
         force = asyncio.Event()
         force.set()  # a second SIGTERM
         assert await drain(server, state, grace=600, force=force) is False
@@ -147,15 +140,14 @@ def test_decode_drains_on_sigterm_with_a_request_in_flight(tmp_path):
 
         thread = threading.Thread(target=in_flight)
         thread.start()
-        deadline = time.monotonic() + 60
-        while cluster.decode.stats().pool.pages_free == cluster.decode.stats().pool.pages_total:
-            assert time.monotonic() < deadline, "the request never reserved decode pages"
-            time.sleep(0.05)
+        wait_pages_taken(cluster.decode)
         cluster.decode.proc.send_signal(signal.SIGTERM)
-        while check(cluster.decode.address, timeout=5) != "NOT_SERVING":
-            assert time.monotonic() < deadline, "decode never reported NOT_SERVING"
+
+        def not_serving() -> bool:
             assert cluster.decode.proc.poll() is None, "decode exited with a request in flight"
-            time.sleep(0.05)
+            return check(cluster.decode.address, timeout=5) == "NOT_SERVING"
+
+        wait_until(not_serving, 60, "decode reports NOT_SERVING")
         with pytest.raises(grpc.RpcError) as refused:
             generate_reply(cluster.address, [5, 6, 7], 2, timeout=30)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE

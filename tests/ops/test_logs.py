@@ -3,10 +3,9 @@ prefill and decode lines of one request carry the same request id."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from tests.helpers.polling import wait_until
 from tests.ops.helpers import generate_reply, log_events
 
 pytestmark = pytest.mark.slow
@@ -16,13 +15,13 @@ PREFILL_PHASES = {"prefill_started", "prefill_streamed"}
 
 
 def _request_events(service, request_id: str, phases: set[str]) -> list[dict]:
-    """The service's events for request_id, waiting briefly for the phases to be written."""
-    deadline = time.monotonic() + 10
-    while True:
-        events = [e for e in log_events(service) if e.get("request_id") == request_id]
-        if phases <= {e["event"] for e in events} or time.monotonic() > deadline:
-            return events
-        time.sleep(0.05)
+    """The service's events for request_id, once the phases are written (logs are async)."""
+    def events() -> list[dict]:
+        return [e for e in log_events(service) if e.get("request_id") == request_id]
+
+    wait_until(lambda: phases <= {e["event"] for e in events()}, 10,
+               lambda: f"{service.role} logged {sorted(phases)} for {request_id}: {events()}")
+    return events()
 
 
 def test_one_request_id_joins_prefill_and_decode_lines(ops_cluster):

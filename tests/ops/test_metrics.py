@@ -35,7 +35,7 @@ def _kv_bytes(prefill_address: str, tokens: int) -> int:
                                                     timeout=10)
     p = info.layout
     layout = KvLayout(p.num_layers, p.num_kv_heads, p.head_dim, torch_dtype(p.dtype))
-    return 2 * tokens * layout.num_layers * layout.bytes_per_token_per_layer
+    return tokens * layout.kv_bytes_per_token
 
 
 def _delta(before: dict, after: dict, name: str, role: str) -> float:

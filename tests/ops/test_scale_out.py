@@ -22,6 +22,7 @@ import pytest
 from kvhandoff_cli.health_probe import check
 from common.errors import error_reason
 from tests.helpers.cluster import REPO, start_service
+from tests.helpers.polling import wait_until
 from tests.ops.helpers import generate_reply
 
 pytestmark = pytest.mark.slow
@@ -116,10 +117,8 @@ def test_two_prefills_share_work_and_losing_one_fails_only_its_requests(tmp_path
             assert generate_reply(decode.address, PROMPT, 2).completion_tokens == 2
         assert completed(b) - b_before == 4
         for service in (decode, b):
-            deadline = time.monotonic() + 10
-            while (pool := service.stats().pool).pages_free != pool.pages_total:
-                assert time.monotonic() < deadline, (service.role, pool)
-                time.sleep(0.05)
+            wait_until(lambda s=service: (p := s.stats().pool).pages_free == p.pages_total, 10,
+                       lambda s=service: f"{s.role} pool back at baseline: {s.stats().pool}")
     finally:
         if paused:
             os.kill(a.proc.pid, signal.SIGCONT)
@@ -146,10 +145,11 @@ def test_a_draining_prefill_gets_no_new_handoffs(tmp_path):
         assert holder.stdout.readline().strip() == "open"
         os.kill(holder.pid, signal.SIGSTOP)
         a.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 60
-        while check(a.address, timeout=5) != "NOT_SERVING":
-            assert time.monotonic() < deadline and a.proc.poll() is None
-            time.sleep(0.05)
+        def a_not_serving() -> bool:
+            assert a.proc.poll() is None, "A exited while draining"
+            return check(a.address, timeout=5) == "NOT_SERVING"
+
+        wait_until(a_not_serving, 60, "A reports NOT_SERVING")
         time.sleep(1.0)  # the health Watch reaches decode's channel; not a measured time
         outcomes = []
         for _ in range(8):

@@ -13,6 +13,8 @@ import torch
 from bench.synthetic_prefill import (FINGERPRINT, PAGE_SIZE, VOCAB, PoolOnlyModel, SyntheticSpec,
                                      _capacity, random_pool)
 from common.handoff.binding import new_nonce, prompt_digest
+from common.config import PrefillConfig, ServiceConfig
+from common.counters import Counters
 from common.handoff.codec import bytes_to_kv
 from common.handoff.layout import KvLayout, protocol_version
 from common.handoff.reasons import HandoffRefused
@@ -22,6 +24,7 @@ from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 from common.sampling import SamplingConfig
 from decode_svc.prefill_client import LARGE_FRAME_BYTES, PREFILL_METHOD, PrefillClient
 from prefill_svc.engine import PrefillEngine
+from prefill_svc.send_budget import SendBudget
 from prefill_svc.servicer import HandoffServicer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
@@ -40,11 +43,12 @@ async def _start_prefill(pool_tokens: int = 1024):
     pool = random_pool(LAYOUT, pool_tokens)
     for cache in (pool.k, pool.v):  # same content in every page: any page table reads alike
         cache.copy_(cache[:, :1].expand_as(cache))
-    engine = PrefillEngine(PoolOnlyModel(LAYOUT), pool, LAYOUT, pool_tokens, log, {})
+    engine = PrefillEngine(PoolOnlyModel(LAYOUT), pool, LAYOUT, pool_tokens, log, Counters(),
+                           SendBudget(PrefillConfig(ServiceConfig()).max_unsent_bytes))
     capacity = _capacity(SyntheticSpec(LAYOUT, pool_tokens))
     limits = PrefillLimits(VOCAB, pool_tokens, pool_tokens, FINGERPRINT,
-                           2 * LAYOUT.bytes_per_token_per_layer)
-    servicer = HandoffServicer(engine, LAYOUT, capacity, limits, {}, log)
+                           LAYOUT.kv_bytes_per_token_per_layer)
+    servicer = HandoffServicer(engine, LAYOUT, capacity, limits, Counters(), log)
     server = grpc.aio.server()
     add_handoff_service(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -6,14 +6,15 @@ the certificate of decode's client-facing API; a second, unrelated CA signs an i
 from __future__ import annotations
 
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.helpers.cluster import Service, start_service
+from common.server.wait import wait_serving
+from tests.helpers.cluster import START_TIMEOUT, Service, start_service
+from tests.helpers.polling import wait_until
 from tests.helpers.tls import CertificateAuthority, Identity
 
 MODEL_FLAGS = ["--model", "demo", "--pool-tokens", "2048", "--max-context-tokens", "512",
@@ -44,34 +45,18 @@ def health_status(channel: grpc.Channel, metadata=None) -> int:
         health_pb2.HealthCheckRequest(), timeout=2.0, metadata=metadata).status
 
 
-def wait_serving_secure(address: str, credentials: grpc.ChannelCredentials,
-                        proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    """Polls the standard health service over TLS until SERVING."""
-    deadline = time.monotonic() + timeout
-    with grpc.secure_channel(address, credentials) as channel:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"process exited with {proc.returncode} before serving")
-            try:
-                if health_status(channel) == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    raise TimeoutError(f"{address} not SERVING over TLS after {timeout}s")
-
-
 def wait_log(path: Path, text: str, proc: subprocess.Popen, timeout: float = 120.0) -> str:
-    """Returns the log once it contains text (the service logs asynchronously)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log = path.read_text(errors="replace")
-        if text in log:
-            return log
-        if proc.poll() is not None:
-            raise RuntimeError(f"exited with {proc.returncode} before logging {text!r}:\n{log}")
-        time.sleep(0.1)
-    raise TimeoutError(f"{text!r} not in {path} after {timeout}s")
+    """Returns the log once it contains text (the service logs asynchronously); fails at once
+    when the process exits first."""
+    def logged() -> bool:
+        if text in path.read_text(errors="replace"):
+            return True
+        assert proc.poll() is None, (f"exited with {proc.returncode} before logging {text!r}:\n"
+                                     f"{path.read_text(errors='replace')[-3000:]}")
+        return False
+
+    wait_until(logged, timeout, f"{text!r} in {path}")
+    return path.read_text(errors="replace")
 
 
 def start_secure_prefill(pki: Pki, workdir: Path) -> Service:
@@ -80,7 +65,8 @@ def start_secure_prefill(pki: Pki, workdir: Path) -> Service:
     prefill = start_service("prefill", workdir, [*MODEL_FLAGS, *pki.prefill.flags()],
                             wait_healthy=False)
     try:
-        wait_serving_secure(prefill.address, pki.decode.channel_credentials(), prefill.proc)
+        wait_serving(prefill.address, START_TIMEOUT, credentials=pki.decode.channel_credentials(),
+                     proc=prefill.proc)
     except BaseException:
         prefill.stop()
         raise

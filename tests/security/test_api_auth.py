@@ -9,6 +9,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, stats_pb2_grpc
+from common.server.wait import wait_serving
+from tests.helpers.cluster import START_TIMEOUT
 from tests.isolation.launch import start
 from tests.security.secure_cluster import (
     MODEL_FLAGS,
@@ -16,7 +18,6 @@ from tests.security.secure_cluster import (
     start_secure_prefill,
     Pki,
     health_status,
-    wait_serving_secure,
 )
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ def secured(tmp_path_factory):
             "--api-tls-cert", str(pki.api.cert), "--api-tls-key", str(pki.api.key),
             "--api-token", TOKEN], wait_healthy=False)
         api = grpc.ssl_channel_credentials(root_certificates=pki.api.ca.read_bytes())
-        wait_serving_secure(decode.address, api, decode.proc)
+        wait_serving(decode.address, START_TIMEOUT, credentials=api, proc=decode.proc)
         yield pki, prefill, decode, api
     finally:
         for service in (decode, prefill):

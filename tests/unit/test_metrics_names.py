@@ -10,13 +10,21 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from common.counters import Counters
 from common.metrics import FINISH_REASONS, ServiceMetrics
+
+
+def _counters(**values: int) -> Counters:
+    counters = Counters()
+    for name, value in values.items():
+        counters.add(name, value)
+    return counters
 
 
 def build(role: str) -> ServiceMetrics:
     """Ten pages, three in use; one of every event the role records."""
     metrics = ServiceMetrics(role, lambda: 10, lambda: 7, lambda: 1, lambda: 2,
-                             model_name="demo", counters={"forward_passes": 4},
+                             model_name="demo", counters=_counters(forward_passes=4),
                              limits={"pool_tokens": lambda: 160})
     metrics.refused("TOKEN_OUT_OF_VOCAB")
     metrics.handoff(0.01, 4096, 0.001)
@@ -100,7 +108,7 @@ def test_docs_list_every_metric():
     missing = []
     for role in ("prefill", "decode"):
         metrics = ServiceMetrics(role, lambda: 1, lambda: 1, lambda: 0, lambda: 0,
-                                 counters={"x": 1}, limits=limits)
+                                 counters=_counters(x=1), limits=limits)
         for family in metrics.registry.collect():
             name = family.name + ("_total" if family.type == "counter" else "")
             if f"`{name}" not in docs:

@@ -8,6 +8,8 @@ import threading
 
 import torch
 
+from common.config import PrefillConfig, ServiceConfig
+from common.counters import Counters
 from common.handoff.layout import KvLayout
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.log import make_logger
@@ -17,6 +19,7 @@ from common.ops.torch_ops import TorchOps
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig
 from prefill_svc.engine import PrefillEngine, PrefillJob
+from prefill_svc.send_budget import SendBudget
 
 
 def test_duplicate_request_id_in_one_batch_aborts_the_duplicate_only():
@@ -27,7 +30,7 @@ def test_duplicate_request_id_in_one_batch_aborts_the_duplicate_only():
                   c.head_dim, torch.float32, torch.device("cpu"))
     layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
     engine = PrefillEngine(model, pool, layout, 4096, make_logger("prefill", stream=io.StringIO()),
-                           {})
+                           Counters(), SendBudget(PrefillConfig(ServiceConfig()).max_unsent_bytes))
     streams: list[list] = [[], []]
     ended = [threading.Event(), threading.Event()]
 

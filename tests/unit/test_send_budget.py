@@ -1,12 +1,17 @@
 """The prefill send budget bounds bytes computed but not yet sent, and never deadlocks on a
-stream that went away."""
+stream that went away. Each test that is about waiting first sees the engine's thread inside
+its wait (`SendBudget.waiting`), however late that thread starts, before it lets it go."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 from prefill_svc.send_budget import JobBytes, SendBudget
+from tests.helpers.polling import wait_until
+
+
+def _until_waiting(budget: SendBudget) -> None:
+    wait_until(lambda: budget.waiting == 1, 10, "the engine thread waits for room")
 
 
 def test_engine_waits_while_over_budget_and_resumes_on_release():
@@ -16,7 +21,7 @@ def test_engine_waits_while_over_budget_and_resumes_on_release():
     admitted = threading.Event()
     worker = threading.Thread(target=lambda: budget.acquire(job, 60, cancelled) and admitted.set())
     worker.start()
-    time.sleep(0.2)
+    _until_waiting(budget)
     assert not admitted.is_set() and budget.pending == 60  # 120 would exceed 100
     budget.release(job, 60)
     worker.join(timeout=5)
@@ -36,7 +41,7 @@ def test_closing_a_stream_returns_its_bytes_and_frees_a_waiting_engine():
     worker = threading.Thread(target=lambda: result.append(
         budget.acquire(other, 50, threading.Event())))
     worker.start()
-    time.sleep(0.1)
+    _until_waiting(budget)
     budget.close(slow)  # the slow reader's stream ended with 90 bytes never sent
     worker.join(timeout=5)
     assert result == [True] and budget.pending == 50
@@ -51,6 +56,7 @@ def test_a_cancelled_job_stops_waiting():
     worker = threading.Thread(target=lambda: result.append(
         budget.acquire(JobBytes(), 10, cancelled)))
     worker.start()
+    _until_waiting(budget)
     cancelled.set()
     worker.join(timeout=5)
-    assert result == [False]
+    assert result == [False] and budget.waiting == 0
