@@ -50,14 +50,8 @@ def load_model(spec: str) -> LoadedModel:
 
 
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    required = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        required.append("lm_head.weight")
-    for layer in range(config.num_layers):
-        p = f"model.layers.{layer}"
-        required += [f"{p}.self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
-        required += [f"{p}.mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-        required += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-    missing = [name for name in required if name not in weights]
+    from common.model.registry import required_weights
+
+    missing = [name for name in required_weights(config) if name not in weights]
     if missing:
         raise UnsupportedModelError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
