@@ -23,12 +23,26 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
                                          has_seed=args.seed is not None)
     request = generate_pb2.GenerateRequest(
         max_tokens=args.max_tokens, sampling=sampling, ignore_eos=args.ignore_eos,
-        stop_token_ids=[int(t) for t in args.stop_token_ids.split(",") if t])
+        stop_token_ids=[int(t) for t in args.stop_token_ids.split(",") if t],
+        stop=getattr(args, "stop", None) or [])
     if args.token_ids is not None:
         request.token_ids.ids.extend(int(t) for t in args.token_ids.split(",") if t.strip())
+    elif _chat_messages(args):
+        request.messages.messages.extend(
+            generate_pb2.ChatMessage(role=role, content=content)
+            for role, content in _chat_messages(args))
     else:
         request.text = args.prompt
     return request
+
+
+def _chat_messages(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--system / --user, or --chat (PROMPT is the user's message); [] for a plain prompt."""
+    user = getattr(args, "user", None) or (args.prompt if getattr(args, "chat", False) else None)
+    if user is None:
+        return []
+    system = getattr(args, "system", None)
+    return ([("system", system)] if system else []) + [("user", user)]
 
 
 async def _stream(args: argparse.Namespace) -> int:
@@ -52,6 +66,9 @@ async def _stream(args: argparse.Namespace) -> int:
                     print(response.token.text, end="", flush=True)
             else:
                 done = response.finished
+                if done.text:  # the tail held back until the end
+                    print(json.dumps({"text": done.text}) if args.json else done.text,
+                          end="\n" if args.json else "", flush=True)
                 summary = {"token_ids": token_ids, "finish_reason": FINISH_NAMES.get(
                     done.finish_reason, "unspecified"), "prompt_tokens": done.usage.prompt_tokens,
                     "completion_tokens": done.usage.completion_tokens,
@@ -79,6 +96,12 @@ def generate(argv: list[str]) -> int:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop-token-ids", default="")
+    parser.add_argument("--stop", action="append", default=[],
+                        help="a stop string (repeat for several)")
+    parser.add_argument("--chat", action="store_true",
+                        help="send PROMPT as a user message through the model's chat template")
+    parser.add_argument("--system", default=None, help="a system message (chat)")
+    parser.add_argument("--user", default=None, help="the user message (chat; implies --chat)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -87,8 +110,11 @@ def generate(argv: list[str]) -> int:
     parser.add_argument("--wait", type=float, default=0.0,
                         help="first wait up to this many seconds for the target to be SERVING")
     args = parser.parse_args(argv)
-    if (args.prompt is None) == (args.token_ids is None):
-        parser.error("give a PROMPT or --token-ids, not both")
+    given = [args.prompt is not None, args.token_ids is not None, args.user is not None]
+    if sum(given) != 1:
+        parser.error("give one of PROMPT, --token-ids or --user")
+    if args.system is not None and not (args.chat or args.user is not None):
+        parser.error("--system needs --chat or --user")
     if args.wait > 0 and not _wait_serving(args.target, args.wait, args.tls_ca):
         print(f"error: {args.target} was not SERVING within {args.wait}s", file=sys.stderr)
         return 1

@@ -9,7 +9,7 @@ from common.model.rope_scaling import RopeConfigError, RopeScaling
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES", "UnsupportedModelError"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedModelError"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, raw: dict) -> "ModelConfig":
+    def from_hf_dict(cls, raw: dict) -> ModelConfig:
         """Validates an HF config.json dict; raises UnsupportedModelError with the reason."""
         family = family_for(raw)
         try:

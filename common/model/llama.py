@@ -10,6 +10,7 @@ ops interface.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 

@@ -51,7 +51,7 @@ class RopeScaling:
     truncate: bool = True
 
     @classmethod
-    def from_hf_dict(cls, raw: dict) -> "RopeScaling":
+    def from_hf_dict(cls, raw: dict) -> RopeScaling:
         """raw: a whole config.json dict (rope_parameters, the older rope_scaling, rope_theta)."""
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         if any(isinstance(v, dict) for v in rope.values()):

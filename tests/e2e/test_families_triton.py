@@ -34,7 +34,7 @@ def test_qwen3_yarn_on_triton_matches_transformers(tmp_path):
         "--pool-tokens", "2048", "--check-page-owners"])
     try:
         assert '"kernels": "triton"' in cluster.decode.log_text()
-        run = lambda p: generate(cluster.address, token_ids=p, max_tokens=NEW_TOKENS,  # noqa: E731
+        run = lambda p: generate(cluster.address, token_ids=p, max_tokens=NEW_TOKENS,
                                  timeout=300).token_ids
         assert [run(p) for p in prompts] == expected
         with ThreadPoolExecutor(max_workers=len(SHORT)) as pool:

@@ -21,6 +21,8 @@ class TinySpec:
     hidden: int | None = None  # None: num_heads * head_dim
     max_positions: int = 256
     rope: dict | None = None  # rope_parameters beyond rope_theta (rope_type, factor, ...)
+    bos_id: int = 1
+    eos_id: int = 2
 
 
 SPECS = [
@@ -65,8 +67,8 @@ def hf_model_for(spec: TinySpec):
         num_hidden_layers=spec.layers, num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads, intermediate_size=96,
         max_position_embeddings=spec.max_positions, tie_word_embeddings=spec.tied,
-        rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
-        head_dim=spec.head_dim,
+        rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=spec.bos_id,
+        eos_token_id=spec.eos_id, head_dim=spec.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": THETA[spec.architecture],
                          **(spec.rope or {})})
     if spec.architecture == "mistral":
@@ -100,3 +102,21 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     if eos in new:
         new = new[: new.index(eos) + 1]
     return new
+
+
+def make_chat_checkpoint(root: Path, seed: int = 0):
+    """A Llama-3.1-style checkpoint (llama3 rope scaling) with a trained byte-level tokenizer
+    and a chat template; -> (path, transformers model, PreTrainedTokenizerFast)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.helpers.tokenizer_files import write_llama3_tokenizer
+
+    staging = root / "tokenizer"
+    vocab = write_llama3_tokenizer(staging)
+    spec = TinySpec("llama31-chat", "llama", num_heads=4, num_kv_heads=2, tied=False,
+                    vocab=vocab, max_positions=LONG_POSITIONS, bos_id=0, eos_id=4,
+                    rope=FAMILY_SPECS[0].rope)
+    path, model = make_checkpoint(spec, root, seed)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (path / name).write_bytes((staging / name).read_bytes())
+    return path, model, PreTrainedTokenizerFast.from_pretrained(str(path))

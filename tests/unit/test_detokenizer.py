@@ -1,0 +1,76 @@
+"""The streamed pieces concatenate to exactly tokenizer.decode(all ids), for byte-level and
+byte-fallback tokenizers, with multi-byte characters split over tokens, invalid bytes, special
+tokens and ids outside the vocabulary; and the work per token does not grow with the text."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.text.detokenizer import IncrementalDetokenizer
+from common.text.hf_tokenizer import HfTokenizer
+from common.tokenizer import CharTokenizer
+from tests.helpers.tokenizer_files import (
+    CORPUS,
+    write_byte_fallback_tokenizer,
+    write_llama3_tokenizer,
+)
+
+
+@pytest.fixture(scope="module", params=["byte_level", "byte_fallback"])
+def tokenizer(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    write = write_llama3_tokenizer if request.param == "byte_level" else \
+        write_byte_fallback_tokenizer
+    write(root)
+    return HfTokenizer.from_dir(root)
+
+
+def _stream(tokenizer, ids: list[int]) -> list[str]:
+    detok = IncrementalDetokenizer(tokenizer)
+    return [detok.push(i) for i in ids] + [detok.finish()]
+
+
+def test_text_round_trips_piece_by_piece(tokenizer):
+    for text in CORPUS[:7]:
+        ids = tokenizer.encode(text)
+        pieces = _stream(tokenizer, ids)
+        assert "".join(pieces) == tokenizer.decode(ids)
+        assert "".join(pieces).strip() == text.strip()
+        assert all("\ufffd" not in p for p in pieces)  # nothing half-decoded was sent
+
+
+def test_random_ids_concatenate_to_the_whole_decode(tokenizer):
+    """Random ids (as a random model emits): split characters, invalid byte runs, specials."""
+    vocab = tokenizer.inner.get_vocab_size(with_added_tokens=True)
+    rng = random.Random(0)
+    for trial in range(300):
+        ids = [rng.randrange(vocab + 3) for _ in range(rng.randrange(1, 40))]
+        pieces = _stream(tokenizer, ids)
+        assert "".join(pieces) == tokenizer.decode(ids), (trial, ids)
+
+
+def test_byte_runs_of_a_multibyte_character(tokenizer):
+    """A character whose bytes arrive one token at a time appears once, when complete."""
+    text = "日本語 🙂 Ångström"
+    ids = tokenizer.encode(text)
+    pieces = _stream(tokenizer, ids)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    assert "" in pieces  # something was held back mid-character
+    assert any(len(p.encode()) > 1 for p in pieces if p)
+
+
+def test_demo_character_tokenizer_streams_too():
+    tok = CharTokenizer()
+    ids = tok.encode("hello, world")
+    assert "".join(_stream(tok, ids)) == tok.decode(ids)
+
+
+def test_work_per_token_does_not_grow_with_the_text(tokenizer, monkeypatch):
+    """The byte streams never call decode: each token's bytes are decoded once."""
+    calls = []
+    monkeypatch.setattr(tokenizer, "decode", lambda ids: calls.append(len(ids)) or "")
+    ids = tokenizer.encode(" ".join(CORPUS[:7]) * 5)
+    _stream(tokenizer, ids)
+    assert calls == []
