@@ -92,7 +92,7 @@ def test_streamed_text_concatenates_to_the_decode_of_the_ids(served):
 
 def test_stop_string_ends_the_text_right_before_it(served):
     cluster, _, hf_tok = served
-    base = dict(text="Once upon a time", max_tokens=40, ignore_eos=True)
+    base = {"text": "Once upon a time", "max_tokens": 40, "ignore_eos": True}
     full_ids, texts, finished = _run(cluster.address, generate_pb2.GenerateRequest(**base))
     full = "".join(texts) + finished.text
     start = next(i for i in range(len(full) // 3, len(full) - 2)
@@ -128,7 +128,7 @@ def test_cli_system_and_user_send_messages(served):
         [sys.executable, "-m", "common.cli.main", "generate", "--target", cluster.address,
          "--system", messages[0]["content"], "--user", messages[1]["content"],
          "--max-tokens", "6", "--json"],
-        cwd=REPO, capture_output=True, text=True, timeout=60)
+        cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["token_ids"] == expected

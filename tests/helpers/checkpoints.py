@@ -62,15 +62,15 @@ def hf_model_for(spec: TinySpec):
                "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
                "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM)}
     config_cls, model_cls = classes[spec.architecture]
-    common = dict(
-        vocab_size=spec.vocab, hidden_size=spec.hidden or spec.num_heads * spec.head_dim,
-        num_hidden_layers=spec.layers, num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads, intermediate_size=96,
-        max_position_embeddings=spec.max_positions, tie_word_embeddings=spec.tied,
-        rms_norm_eps=1e-6, initializer_range=0.2, bos_token_id=spec.bos_id,
-        eos_token_id=spec.eos_id, head_dim=spec.head_dim,
-        rope_parameters={"rope_type": "default", "rope_theta": THETA[spec.architecture],
-                         **(spec.rope or {})})
+    common = {
+        "vocab_size": spec.vocab, "hidden_size": spec.hidden or spec.num_heads * spec.head_dim,
+        "num_hidden_layers": spec.layers, "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads, "intermediate_size": 96,
+        "max_position_embeddings": spec.max_positions, "tie_word_embeddings": spec.tied,
+        "rms_norm_eps": 1e-6, "initializer_range": 0.2, "bos_token_id": spec.bos_id,
+        "eos_token_id": spec.eos_id, "head_dim": spec.head_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": THETA[spec.architecture],
+                         **(spec.rope or {})}}
     if spec.architecture == "mistral":
         common["sliding_window"] = None
     return model_cls(config_cls(**common))
