@@ -24,7 +24,6 @@ Special tokens are skipped and ids outside the vocabulary produce nothing, as in
 from __future__ import annotations
 
 import codecs
-import json
 from collections.abc import Callable
 
 from common.tokenizer import Tokenizer
@@ -46,11 +45,14 @@ def _byte_level_table() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars)}
 
 
+BYTE_LEVEL_CHARS = _byte_level_table()
+
+
 class _ByteLevelStream:
     """Token strings -> text through the byte alphabet and one incremental UTF-8 decoder."""
 
     def __init__(self) -> None:
-        self.table = _byte_level_table()
+        self.table = BYTE_LEVEL_CHARS
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token: str) -> str:
@@ -179,14 +181,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        inner = getattr(tokenizer, "inner", None)
+        info = getattr(tokenizer, "stream_info", None)
         self._stream = None
         self._window = None
-        if inner is not None:
-            self._stream = _piece_stream(json.loads(inner.to_str()).get("decoder"))
-            self._vocab_size = inner.get_vocab_size(with_added_tokens=True)
-            self._special = {i for i, t in inner.get_added_tokens_decoder().items() if t.special}
-            self._inner = inner
+        if info is not None:
+            self._stream = _piece_stream(info.decoder)
+            self._vocab_size = info.vocab_size
+            self._special = info.special_ids
+            self._inner = tokenizer.inner
         if self._stream is None and tokenizer is not None:
             self._window = _WindowStream(tokenizer.decode)
 

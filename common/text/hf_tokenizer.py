@@ -34,6 +34,13 @@ class TokenizerFiles:
     chat_template: str | None
 
 
+@dataclass(frozen=True)
+class StreamInfo:
+    decoder: dict | None  # tokenizer.json's "decoder"
+    vocab_size: int  # with added tokens
+    special_ids: frozenset[int]  # skipped by decode
+
+
 def _content(value) -> str | None:
     if value is None:
         return None
@@ -106,6 +113,15 @@ class HfTokenizer:
     @property
     def chat_template(self) -> str | None:
         return self.files.chat_template
+
+    @functools.cached_property
+    def stream_info(self) -> StreamInfo:
+        """What the incremental detokenizer needs, read once (serializing a large
+        tokenizer.json takes tens of milliseconds)."""
+        decoder = json.loads(self._inner.to_str()).get("decoder")
+        special = frozenset(i for i, t in self._inner.get_added_tokens_decoder().items()
+                            if t.special)
+        return StreamInfo(decoder, self._inner.get_vocab_size(with_added_tokens=True), special)
 
     @functools.cached_property
     def _compiled_chat_template(self):

@@ -18,13 +18,20 @@ from tests.helpers.tokenizer_files import (
 )
 
 
-@pytest.fixture(scope="module", params=["byte_level", "byte_fallback"])
+@pytest.fixture(scope="module", params=["byte_level", "byte_fallback", "added_tokens"])
 def tokenizer(request, tmp_path_factory):
+    """added_tokens: byte-level plus non-special added tokens whose text is outside the byte
+    alphabet (they decode as their own UTF-8)."""
+    from tokenizers import AddedToken
+
     root = tmp_path_factory.mktemp(request.param)
-    write = write_llama3_tokenizer if request.param == "byte_level" else \
-        write_byte_fallback_tokenizer
+    write = write_byte_fallback_tokenizer if request.param == "byte_fallback" else \
+        write_llama3_tokenizer
     write(root)
-    return HfTokenizer.from_dir(root)
+    tok = HfTokenizer.from_dir(root)
+    if request.param == "added_tokens":
+        tok.inner.add_tokens([AddedToken(" ü x ", special=False), AddedToken("plain")])
+    return tok
 
 
 def _stream(tokenizer, ids: list[int]) -> list[str]:
