@@ -2,15 +2,18 @@
 disaggregated, generates greedily exactly what transformers' generate(do_sample=False) does:
 prompts of 1 token, one page, pages plus a remainder and >= 700 tokens (far past the
 original_max_position_embeddings of 128, so the rope scaling decides the tokens), solo and in
-one concurrent batch."""
+one concurrent batch; and from text and chat messages, through the tokenizer.json and chat
+template each checkpoint ships (Llama-3 style, Mistral byte-fallback with [INST], ChatML)."""
 
 from __future__ import annotations
 
 import random
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
+from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc
 from tests.helpers.checkpoints import FAMILY_SPECS, hf_greedy, make_checkpoint
 from tests.helpers.cluster import generate, start_cluster
 
@@ -19,6 +22,9 @@ pytestmark = pytest.mark.slow
 PAGE = 16
 LENGTHS = [1, PAGE, 3 * PAGE + 5, 720]
 NEW_TOKENS = 8
+TEXT = "The quick brown fox, Café 日本語"
+MESSAGES = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello there, how are you?"}]
 
 
 def _prompt(length: int, vocab: int, seed: int) -> list[int]:
@@ -26,11 +32,32 @@ def _prompt(length: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
+def _chat(address: str, messages: list[dict]) -> tuple[list[int], int]:
+    """-> (generated ids, prompt tokens) of a messages request."""
+    request = generate_pb2.GenerateRequest(max_tokens=NEW_TOKENS)
+    request.messages.messages.extend(generate_pb2.ChatMessage(**m) for m in messages)
+    ids = []
+    with grpc.insecure_channel(address) as channel:
+        for response in generate_pb2_grpc.GenerationServiceStub(channel).Generate(
+                request, timeout=120):
+            if response.HasField("token"):
+                ids.append(response.token.token_id)
+            else:
+                return ids, response.finished.usage.prompt_tokens
+    raise AssertionError("no finished message")
+
+
 @pytest.mark.parametrize("spec", FAMILY_SPECS, ids=lambda s: s.name)
 def test_family_matches_transformers_solo_and_concurrent(spec, tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
     path, hf_model = make_checkpoint(spec, tmp_path)
+    hf_tok = PreTrainedTokenizerFast.from_pretrained(str(path))
     prompts = [_prompt(n, spec.vocab, seed=n) for n in LENGTHS]
     expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
+    text_ids = hf_tok(TEXT)["input_ids"]
+    chat_ids = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True,
+                                          tokenize=True)["input_ids"]
     cluster = start_cluster(tmp_path / "run", str(path), common_flags=[
         "--dtype", "float32", "--page-size", str(PAGE), "--pool-tokens", "4096",
         "--check-page-owners"])
@@ -42,6 +69,10 @@ def test_family_matches_transformers_solo_and_concurrent(spec, tmp_path):
             batch = list(pool.map(lambda p: generate(cluster.address, token_ids=p,
                                                      max_tokens=NEW_TOKENS).token_ids, prompts))
         assert batch == expected
+        from_text = generate(cluster.address, text=TEXT, max_tokens=NEW_TOKENS)
+        assert from_text.token_ids == hf_greedy(hf_model, text_ids, NEW_TOKENS)
+        assert _chat(cluster.address, MESSAGES) == (hf_greedy(hf_model, chat_ids, NEW_TOKENS),
+                                                    len(chat_ids))
         cluster.assert_pools_at_baseline()
     finally:
         cluster.stop()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -23,6 +23,7 @@ class TinySpec:
     rope: dict | None = None  # rope_parameters beyond rope_theta (rope_type, factor, ...)
     bos_id: int = 1
     eos_id: int = 2
+    tokenizer: str | None = None  # tokenizer files to ship: "llama3", "chatml" or "mistral"
 
 
 SPECS = [
@@ -38,16 +39,19 @@ FAMILY_SPECS = [
     TinySpec("llama31-rope-llama3", "llama", num_heads=4, num_kv_heads=2, tied=False,
              max_positions=LONG_POSITIONS,
              rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                   "high_freq_factor": 4.0, "original_max_position_embeddings": 128}),
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 128},
+             tokenizer="llama3"),
     TinySpec("llama-rope-yarn", "llama", num_heads=4, num_kv_heads=1, tied=True,
              max_positions=LONG_POSITIONS,
-             rope={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128}),
+             rope={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128},
+             tokenizer="llama3"),
     TinySpec("llama-rope-linear", "llama", num_heads=4, num_kv_heads=2, tied=False,
-             max_positions=LONG_POSITIONS, rope={"rope_type": "linear", "factor": 4.0}),
+             max_positions=LONG_POSITIONS, rope={"rope_type": "linear", "factor": 4.0},
+             tokenizer="llama3"),
     TinySpec("mistral-gqa4-headdim", "mistral", num_heads=8, num_kv_heads=2, tied=False,
-             head_dim=8, hidden=48, max_positions=LONG_POSITIONS),
+             head_dim=8, hidden=48, max_positions=LONG_POSITIONS, tokenizer="mistral"),
     TinySpec("qwen3-qknorm-headdim", "qwen3", num_heads=4, num_kv_heads=2, tied=False,
-             head_dim=24, hidden=64, max_positions=LONG_POSITIONS),
+             head_dim=24, hidden=64, max_positions=LONG_POSITIONS, tokenizer="chatml"),
 ]
 
 THETA = {"llama": 5000.0, "qwen2": 20000.0, "mistral": 8000.0, "qwen3": 30000.0}
@@ -77,7 +81,14 @@ def hf_model_for(spec: TinySpec):
 
 
 def make_checkpoint(spec: TinySpec, root: Path, seed: int = 0):
-    """Saves the checkpoint under root/spec.name and returns (path, transformers model)."""
+    """Saves the checkpoint under root/spec.name and returns (path, transformers model). With
+    spec.tokenizer, the tokenizer files are trained and saved beside the weights and the
+    vocabulary is the tokenizer's (at least spec.vocab)."""
+    staging = root / f"{spec.name}-tokenizer"
+    if spec.tokenizer is not None:
+        from tests.helpers.tokenizer_files import write_tokenizer
+
+        spec = replace(spec, vocab=max(spec.vocab, write_tokenizer(staging, spec.tokenizer)))
     torch.manual_seed(seed)
     model = hf_model_for(spec).float().eval()
     with torch.no_grad():  # transformers zero-initializes biases and ones norms; make them matter
@@ -88,6 +99,9 @@ def make_checkpoint(spec: TinySpec, root: Path, seed: int = 0):
                 param.uniform_(0.5, 1.5)
     path = root / spec.name
     model.save_pretrained(path, safe_serialization=True)
+    if spec.tokenizer is not None:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (path / name).write_bytes((staging / name).read_bytes())
     return path, model
 
 
@@ -109,14 +123,6 @@ def make_chat_checkpoint(root: Path, seed: int = 0):
     and a chat template; -> (path, transformers model, PreTrainedTokenizerFast)."""
     from transformers import PreTrainedTokenizerFast
 
-    from tests.helpers.tokenizer_files import write_llama3_tokenizer
-
-    staging = root / "tokenizer"
-    vocab = write_llama3_tokenizer(staging)
-    spec = TinySpec("llama31-chat", "llama", num_heads=4, num_kv_heads=2, tied=False,
-                    vocab=vocab, max_positions=LONG_POSITIONS, bos_id=0, eos_id=4,
-                    rope=FAMILY_SPECS[0].rope)
+    spec = replace(FAMILY_SPECS[0], name="llama31-chat", bos_id=0, eos_id=4)
     path, model = make_checkpoint(spec, root, seed)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (path / name).write_bytes((staging / name).read_bytes())
     return path, model, PreTrainedTokenizerFast.from_pretrained(str(path))

@@ -53,6 +53,24 @@ You are a helpful assistant.<|im_end|>
 {% endif -%}"""
 
 
+# Mistral style: [INST] ... [/INST] around user turns, eos after assistant turns, the system
+# message folded into the first user turn.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + (system if loop.first else '') + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}")
+
+TEMPLATES = {"llama3": LLAMA3_TEMPLATE, "chatml": CHATML_TEMPLATE, "mistral": MISTRAL_TEMPLATE}
+
+
 def train_byte_level(vocab_size: int = 400):
     """A trained byte-level BPE `tokenizers.Tokenizer` with the Llama-3 specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -117,11 +135,22 @@ def write_llama3_tokenizer(root: Path, template: str = LLAMA3_TEMPLATE) -> int:
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def write_byte_fallback_tokenizer(root: Path) -> int:
+def write_byte_fallback_tokenizer(root: Path, template: str | None = None) -> int:
+    """tokenizer.json (no post-processor: transformers adds no bos to a text prompt, whatever
+    add_bos_token says) and tokenizer_config.json, with the chat template when given."""
     tok = train_byte_fallback()
     root.mkdir(parents=True, exist_ok=True)
     tok.save(str(root / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
               "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}
+    if template is not None:
+        config["chat_template"] = template
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     return tok.get_vocab_size(with_added_tokens=True)
+
+
+def write_tokenizer(root: Path, style: str) -> int:
+    """style: "llama3" or "chatml" (byte-level BPE), "mistral" (byte fallback); -> vocab size."""
+    if style == "mistral":
+        return write_byte_fallback_tokenizer(root, MISTRAL_TEMPLATE)
+    return write_llama3_tokenizer(root, TEMPLATES[style])
