@@ -55,10 +55,13 @@ def chat_prompt_ids(messages, tokenizer: Tokenizer | None) -> list[int]:
     """messages: ChatMessage protos, rendered with the model's chat template."""
     if not messages:
         raise ServiceError(C.INVALID_ARGUMENT, "EMPTY_PROMPT", "the request has no messages")
-    render = getattr(tokenizer, "render_chat", None)
-    if tokenizer is None or render is None:
+    if tokenizer is None:
         raise ServiceError(C.INVALID_ARGUMENT, "NO_TOKENIZER",
                            "this model has no tokenizer.json; send token_ids instead of messages")
+    render = getattr(tokenizer, "render_chat", None)
+    if render is None:
+        raise ServiceError(C.INVALID_ARGUMENT, "NO_CHAT_TEMPLATE",
+                           "this model's tokenizer has no chat template; send text instead")
     try:
         text = render([ChatMessage(m.role, m.content) for m in messages])
     except ChatTemplateError as err:

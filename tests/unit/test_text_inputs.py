@@ -162,3 +162,15 @@ def test_stop_string_requests_are_validated(tmp_path):
     assert validate_stop_strings(generate_pb2.GenerateRequest(stop=["", "y"]),
                                  HfTokenizer.from_dir(tmp_path)) == ["y"]
     assert validate_stop_strings(generate_pb2.GenerateRequest(stop=[""]), None) == []
+
+
+def test_messages_to_the_demo_model_or_no_tokenizer_are_refused_clearly():
+    from common.tokenizer import CharTokenizer
+
+    message = [generate_pb2.ChatMessage(role="user", content="x")]
+    with pytest.raises(ServiceError) as err:
+        chat_prompt_ids(message, CharTokenizer())
+    assert err.value.reason == "NO_CHAT_TEMPLATE"
+    with pytest.raises(ServiceError) as err:
+        chat_prompt_ids(message, None)
+    assert err.value.reason == "NO_TOKENIZER"
