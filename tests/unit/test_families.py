@@ -117,3 +117,25 @@ def test_generation_config_eos_ids_join_the_config_ones(tmp_path):
 def test_hf_model_for_covers_every_family():
     for spec in FAMILY_SPECS:
         assert type(hf_model_for(spec)).__name__.lower().startswith(spec.architecture)
+
+
+@pytest.mark.parametrize("spec", [FAMILY_SPECS[0], FAMILY_SPECS[-1]], ids=lambda s: s.name)
+def test_layer0_kv_is_what_prefill_stores(spec, tmp_path):
+    """The protocol's layer0_kv (decode's content check) equals layer 0 of a prefill's KV."""
+    from common.model.protocol import PrefillBatch
+    from common.model.registry import build_model
+    from common.ops.torch_ops import TorchOps
+
+    path, _ = make_checkpoint(spec, tmp_path)
+    loaded = load_model(str(path))
+    c = loaded.config
+    model = build_model(c, loaded.weights, TorchOps(), torch.device("cpu"), torch.float32)
+    n = 37
+    ids, positions = torch.randint(3, spec.vocab, (n,)), torch.arange(n)
+    k_cache = torch.zeros(c.num_layers, 3, 16, c.num_kv_heads, c.head_dim)  # [L, P, S, Hkv, D]
+    v_cache = torch.zeros_like(k_cache)
+    model.prefill(PrefillBatch(ids, positions, positions, torch.tensor([0, n], dtype=torch.int32),
+                               n), k_cache, v_cache)
+    k, v = model.layer0_kv(ids, positions)  # [T, Hkv, D]
+    torch.testing.assert_close(k, k_cache[0].reshape(-1, c.num_kv_heads, c.head_dim)[:n])
+    torch.testing.assert_close(v, v_cache[0].reshape(-1, c.num_kv_heads, c.head_dim)[:n])
