@@ -76,3 +76,26 @@ def test_family_matches_transformers_solo_and_concurrent(spec, tmp_path):
         cluster.assert_pools_at_baseline()
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, "mixture-of-experts"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding-window"),
+])
+def test_unsupported_checkpoints_are_refused_at_start(tmp_path, extra, named):
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers.cluster import REPO
+
+    raw = {"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+           "num_attention_heads": 2, "intermediate_size": 16,
+           "max_position_embeddings": 32768, **extra}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    out = subprocess.run([sys.executable, "-m", "common.cli.main", "prefill", "--model",
+                          str(tmp_path), "--port", "0"], cwd=REPO, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 2
+    assert "refusing to start" in out.stderr and named in out.stderr
+    assert "Traceback" not in out.stderr
