@@ -59,7 +59,7 @@ def _demo_weights(config: ModelConfig) -> dict[str, torch.Tensor]:
     return w
 
 
-def build_demo_model() -> "LoadedModel":
+def build_demo_model() -> LoadedModel:
     from common.model.loader import LoadedModel
 
     tokenizer = CharTokenizer()

@@ -24,7 +24,20 @@ def build_model(config: ModelConfig, weights: dict[str, torch.Tensor], ops: Kern
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise UnsupportedModelError(f"no model is registered for {config.architecture!r}")
+    check_kernels_fit(config, ops)
     return cls(config, weights, ops, device, dtype)
+
+
+TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)  # what the attention kernels are built for
+
+
+def check_kernels_fit(config: ModelConfig, ops: KernelOps) -> None:
+    """Refuses at start what the chosen kernels cannot run, rather than at the first request."""
+    if ops.name == "triton" and config.head_dim not in TRITON_HEAD_DIMS:
+        raise UnsupportedModelError(
+            f"head_dim {config.head_dim} is not supported by the Triton attention kernels "
+            f"(head_dim must be one of {', '.join(map(str, TRITON_HEAD_DIMS))}); "
+            "run with --kernels torch")
 
 
 def required_weights(config: ModelConfig) -> list[str]:

@@ -139,3 +139,17 @@ def test_layer0_kv_is_what_prefill_stores(spec, tmp_path):
     k, v = model.layer0_kv(ids, positions)  # [T, Hkv, D]
     torch.testing.assert_close(k, k_cache[0].reshape(-1, c.num_kv_heads, c.head_dim)[:n])
     torch.testing.assert_close(v, v_cache[0].reshape(-1, c.num_kv_heads, c.head_dim)[:n])
+
+
+def test_triton_kernels_refuse_a_head_dim_they_cannot_run(tmp_path):
+    from common.model.registry import build_model
+    from common.ops.torch_ops import TorchOps
+    from common.ops.triton_ops import TritonOps
+
+    spec = next(s for s in FAMILY_SPECS if s.head_dim == 24)
+    path, _ = make_checkpoint(spec, tmp_path)
+    loaded = load_model(str(path))
+    with pytest.raises(UnsupportedModelError, match="head_dim 24.*--kernels torch"):
+        build_model(loaded.config, loaded.weights, TritonOps(), torch.device("cpu"),
+                    torch.float32)
+    build_model(loaded.config, loaded.weights, TorchOps(), torch.device("cpu"), torch.float32)
