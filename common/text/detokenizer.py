@@ -8,10 +8,11 @@ work per token (amortized: bytes held back are decoded once):
   stream goes through one incremental UTF-8 decoder with replacement, so a multi-byte
   character split over tokens appears once it is complete, and invalid bytes become U+FFFD
   exactly where the whole decode puts them;
-- a ``Sequence`` of ``Replace`` / ``ByteFallback`` / ``Fuse`` / ``Strip`` (Llama 2 / Mistral),
-  or ``Metaspace``: a run of <0xXX> tokens is held until it ends (the whole run decodes as
-  UTF-8, or each of its bytes is U+FFFD, as ByteFallback does), and the leading space the
-  decoder strips is stripped once, at the start.
+- a ``Sequence`` of ``Replace`` / ``ByteFallback`` / ``Fuse`` / ``Strip`` (Llama 2 / Mistral):
+  a run of <0xXX> tokens is held until it ends (the whole run decodes as UTF-8, or each of its
+  bytes is U+FFFD, as ByteFallback does), and the leading space Strip removes is removed once,
+  at the start;
+- ``Metaspace``: "▁" becomes a space (in the first token it is dropped).
 
 Any other decoder (and the demo's character tokenizer) falls back to decoding a window that
 starts at the tokens emitted last: exact when the text decoded up to a token boundary does not
@@ -115,6 +116,23 @@ class _PieceStream:
         return self._text(self._flush_run())
 
 
+class _MetaspaceStream:
+    """Metaspace: the replacement character becomes a space, except in the first token, where
+    (unless prepend_scheme is "never") every one of them is dropped, as the decoder does."""
+
+    def __init__(self, replacement: str, drop_in_first: bool) -> None:
+        self.replacement = replacement
+        self.drop_in_first = drop_in_first
+        self.first = True
+
+    def push(self, token: str) -> str:
+        first, self.first = self.first, False
+        return token.replace(self.replacement, "" if first and self.drop_in_first else " ")
+
+    def finish(self) -> str:
+        return ""
+
+
 def _piece_stream(decoder: dict | None):
     """A streaming equivalent of the tokenizer.json decoder, or None when it has none."""
     if decoder is None:
@@ -122,9 +140,8 @@ def _piece_stream(decoder: dict | None):
     if decoder.get("type") == "ByteLevel":
         return _ByteLevelStream()
     if decoder.get("type") == "Metaspace":
-        prepend = decoder.get("prepend_scheme", "always")
-        return _PieceStream([(decoder.get("replacement", "▁"), " ")], False,
-                            "" if prepend == "never" else " ")
+        return _MetaspaceStream(decoder.get("replacement", "▁"),
+                                decoder.get("prepend_scheme", "always") != "never")
     if decoder.get("type") != "Sequence":
         return None
     replaces, byte_fallback, fused, strip = [], False, False, ""
@@ -155,16 +172,14 @@ class _WindowStream:
         self.prefix_len = 0  # ids[:prefix_len] are emitted
         self.window_start = 0  # the window keeps the last emitted ids as context
 
-    def push_id(self, token_id: int, final: bool = False) -> str:
+    def push_id(self, token_id: int) -> str:
         self.ids.append(token_id)
-        return self._emit(final)
-
-    def _emit(self, final: bool) -> str:
         before = self.decode(self.ids[self.window_start:self.prefix_len])
         text = self.decode(self.ids[self.window_start:])
-        if (text.endswith(REPLACEMENT) and not final) or not text.startswith(before):
+        if text.endswith(REPLACEMENT) or not text.startswith(before):
             return ""
-        self.window_start = self.prefix_len
+        if self.decode(self.ids[self.prefix_len:]):  # keep context that renders as text
+            self.window_start = self.prefix_len
         self.prefix_len = len(self.ids)
         return text[len(before):]
 

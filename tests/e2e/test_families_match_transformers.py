@@ -32,19 +32,27 @@ def _prompt(length: int, vocab: int, seed: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def _chat(address: str, messages: list[dict]) -> tuple[list[int], int]:
-    """-> (generated ids, prompt tokens) of a messages request."""
-    request = generate_pb2.GenerateRequest(max_tokens=NEW_TOKENS)
-    request.messages.messages.extend(generate_pb2.ChatMessage(**m) for m in messages)
-    ids = []
+def _stream(address: str, request: generate_pb2.GenerateRequest):
+    """-> (generated ids, all streamed text, prompt tokens)."""
+    ids, text = [], []
     with grpc.insecure_channel(address) as channel:
         for response in generate_pb2_grpc.GenerationServiceStub(channel).Generate(
                 request, timeout=120):
             if response.HasField("token"):
                 ids.append(response.token.token_id)
+                text.append(response.token.text)
             else:
-                return ids, response.finished.usage.prompt_tokens
+                text.append(response.finished.text)
+                return ids, "".join(text), response.finished.usage.prompt_tokens
     raise AssertionError("no finished message")
+
+
+def _chat(address: str, messages: list[dict]) -> tuple[list[int], int]:
+    """-> (generated ids, prompt tokens) of a messages request."""
+    request = generate_pb2.GenerateRequest(max_tokens=NEW_TOKENS)
+    request.messages.messages.extend(generate_pb2.ChatMessage(**m) for m in messages)
+    ids, _, prompt_tokens = _stream(address, request)
+    return ids, prompt_tokens
 
 
 @pytest.mark.parametrize("spec", FAMILY_SPECS, ids=lambda s: s.name)
@@ -73,6 +81,9 @@ def test_family_matches_transformers_solo_and_concurrent(spec, tmp_path):
         assert from_text.token_ids == hf_greedy(hf_model, text_ids, NEW_TOKENS)
         assert _chat(cluster.address, MESSAGES) == (hf_greedy(hf_model, chat_ids, NEW_TOKENS),
                                                     len(chat_ids))
+        ids, text, _ = _stream(cluster.address, generate_pb2.GenerateRequest(
+            text=TEXT, max_tokens=32, ignore_eos=True))
+        assert text == hf_tok.decode(ids, skip_special_tokens=True)
         cluster.assert_pools_at_baseline()
     finally:
         cluster.stop()
