@@ -5,8 +5,9 @@ extension, `tojson` (no HTML escaping), `raise_exception`, `strftime_now`; the t
 named special tokens (bos_token, eos_token, ...). The rendered text is then tokenized without
 adding special tokens (the template writes them).
 
-Not covered: tools, documents, multimodal content parts, continue_final_message and
-{% generation %} masks (the template sees none of them).
+`{% generation %}...{% endgeneration %}` blocks render their body (transformers uses them only
+for assistant masks). Not covered: tools, documents, multimodal content parts and
+continue_final_message (the template sees none of them).
 """
 
 from __future__ import annotations
@@ -32,6 +33,23 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
+def _generation_extension():
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationBlock(jinja2.ext.Extension):
+        """{% generation %} body {% endgeneration %} -> body."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    return GenerationBlock
+
+
 class ChatTemplate:
     """One compiled template; render() is pure (a new context per call)."""
 
@@ -44,7 +62,8 @@ class ChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[jinja2.ext.loopcontrols])
+                                            extensions=[jinja2.ext.loopcontrols,
+                                                        _generation_extension()])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -19,6 +19,7 @@ from tests.helpers.tokenizer_files import (
     CHATML_TEMPLATE,
     CORPUS,
     LLAMA3_TEMPLATE,
+    MISTRAL_TEMPLATE,
     write_byte_fallback_tokenizer,
     write_llama3_tokenizer,
 )
@@ -75,7 +76,15 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.mark.parametrize("template", [LLAMA3_TEMPLATE, CHATML_TEMPLATE], ids=["llama3", "chatml"])
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+    "A: {{ m.content | tojson }}{% endgeneration %}{% else %}{{ m.role }}: {{ m.content }}"
+    "{% endif %}\n{% endfor %}{% if add_generation_prompt %}A:{% endif %}")
+
+
+@pytest.mark.parametrize("template", [LLAMA3_TEMPLATE, CHATML_TEMPLATE, MISTRAL_TEMPLATE,
+                                      GENERATION_TEMPLATE],
+                         ids=["llama3", "chatml", "mistral", "generation-tags"])
 @pytest.mark.parametrize("messages", CONVERSATIONS, ids=["one", "system", "turns"])
 def test_chat_template_renders_and_tokenizes_like_apply_chat_template(tmp_path, template,
                                                                       messages):
