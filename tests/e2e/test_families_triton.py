@@ -2,7 +2,8 @@
 rope scaling, served on --kernels triton (interpreted on the CPU), generates greedily exactly
 what transformers does: short prompts solo and concurrent, and one prompt of 700 tokens (past
 original_max_position_embeddings, so the scaled table and the attention factor decide).
-Kept small: interpreted Triton is slow."""
+Kept small (one layer, two query heads): interpreted Triton is slow, so the handoff and request
+deadlines are generous for a loaded machine."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from tests.helpers.cluster import generate, start_cluster
 
 pytestmark = pytest.mark.slow
 
-SPEC = TinySpec("qwen3-yarn-triton", "qwen3", num_heads=4, num_kv_heads=2, tied=False,
-                head_dim=16, hidden=32, vocab=256, max_positions=1024,
+SPEC = TinySpec("qwen3-yarn-triton", "qwen3", num_heads=2, num_kv_heads=1, tied=False,
+                head_dim=16, hidden=32, layers=1, vocab=256, max_positions=1024,
                 rope={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 128})
 SHORT = [1, 16, 21]
 LONG = 700
@@ -31,11 +32,12 @@ def test_qwen3_yarn_on_triton_matches_transformers(tmp_path):
     expected = [hf_greedy(hf_model, p, NEW_TOKENS) for p in prompts]
     cluster = start_cluster(tmp_path / "run", str(path), common_flags=[
         "--kernels", "triton", "--dtype", "float32", "--page-size", "16",
-        "--pool-tokens", "2048", "--check-page-owners"])
+        "--pool-tokens", "2048", "--check-page-owners"],
+        decode_flags=["--handoff-timeout-s", "600"])
     try:
         assert '"kernels": "triton"' in cluster.decode.log_text()
         run = lambda p: generate(cluster.address, token_ids=p, max_tokens=NEW_TOKENS,
-                                 timeout=300).token_ids
+                                 timeout=600).token_ids
         assert [run(p) for p in prompts] == expected
         with ThreadPoolExecutor(max_workers=len(SHORT)) as pool:
             assert list(pool.map(run, prompts[:len(SHORT)])) == expected[:len(SHORT)]
