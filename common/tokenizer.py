@@ -36,3 +36,17 @@ class CharTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.ALPHABET[i - self.offset] for i in ids if i >= self.offset)
+
+
+def __getattr__(name: str):
+    """The checkpoint tokenizer and the detokenizer moved to common/text/; the old names still
+    import from here (lazily: common/text imports this module)."""
+    if name == "HfTokenizer":
+        from common.text.hf_tokenizer import HfTokenizer
+
+        return HfTokenizer
+    if name == "IncrementalDetokenizer":
+        from common.text.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
