@@ -1,8 +1,8 @@
-"""Tokenizers: a wrapper of a checkpoint's tokenizer.json and the demo's character tokenizer."""
+"""The tokenizer interface and the demo's character tokenizer (a checkpoint's tokenizer files:
+common/text/hf_tokenizer.py; streamed text: common/text/detokenizer.py)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 
@@ -13,25 +13,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
-
-
-class HfTokenizer:
-    """A `tokenizers` tokenizer loaded from a local tokenizer.json (never from a hub)."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-
-    @classmethod
-    def from_file(cls, path: Path) -> HfTokenizer:
-        from tokenizers import Tokenizer as _Tokenizer
-
-        return cls(_Tokenizer.from_file(str(path)))
-
-    def encode(self, text: str) -> list[int]:
-        return self._inner.encode(text, add_special_tokens=True).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._inner.decode(ids, skip_special_tokens=True)
 
 
 class CharTokenizer:
@@ -57,21 +38,15 @@ class CharTokenizer:
         return "".join(self.ALPHABET[i - self.offset] for i in ids if i >= self.offset)
 
 
-class IncrementalDetokenizer:
-    """Turns a growing id list into text pieces; holds back a trailing replacement character."""
+def __getattr__(name: str):
+    """The checkpoint tokenizer and the detokenizer moved to common/text/; the old names still
+    import from here (lazily: common/text imports this module)."""
+    if name == "HfTokenizer":
+        from common.text.hf_tokenizer import HfTokenizer
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
+        return HfTokenizer
+    if name == "IncrementalDetokenizer":
+        from common.text.detokenizer import IncrementalDetokenizer
 
-    def push(self, token_id: int) -> str:
-        if self.tokenizer is None:
-            return ""
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return piece
+        return IncrementalDetokenizer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,7 +21,9 @@ from common.handoff.reasons import HandoffRefused
 from common.handoff.verifier import Expectation
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, handoff_pb2
 from common.sampling import SamplingConfig
-from common.tokenizer import IncrementalDetokenizer, Tokenizer
+from common.text.detokenizer import IncrementalDetokenizer
+from common.text.stop_strings import StopStrings
+from common.tokenizer import Tokenizer
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
 from decode_svc.content_check import ContentVerdict
@@ -30,7 +32,8 @@ from decode_svc.local_prefill import LocalPrefillEngine, prefill_locally
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
 from decode_svc.state import DecodeState
-from decode_svc.validation import DecodeLimits, prompt_ids, validate_generate
+from decode_svc.validation import (DecodeLimits, prompt_ids, validate_generate,
+                                   validate_stop_strings)
 
 FINISH = {"stop": generate_pb2.FINISH_REASON_STOP, "length": generate_pb2.FINISH_REASON_LENGTH}
 
@@ -71,6 +74,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         try:
             limits = self._limits()
             prompt = validate_generate(prompt_ids(request, self.tokenizer), request, limits)
+            stops = validate_stop_strings(request, self.tokenizer)
         except ServiceError as err:
             log.warning("request_refused", reason=err.reason, message=err.message)
             self.metrics.refused(err.reason)
@@ -114,7 +118,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             self.engine.begin(Sequence(request_id, len(prompt.token_ids),
                                        prompt.token_ids + [first], prompt.max_tokens, sampling,
                                        stop_ids, emit))
-            async for response in self._stream(events, request_id, len(prompt.token_ids), received):
+            async for response in self._stream(events, request_id, len(prompt.token_ids), received,
+                                               StopStrings(stops)):
                 yield response
             log.info("request_finished", seconds=round(time.monotonic() - received, 4))
         except (asyncio.CancelledError, GeneratorExit):  # client gone (Ctrl-C) or deadline
@@ -170,24 +175,36 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         await engine_answer(lambda done: self.engine.reserve(request_id, num_tokens, done))
 
     async def _stream(self, events: asyncio.Queue, request_id: str, prompt_len: int,
-                      received: float):
+                      received: float, stops: StopStrings):
+        """Token events -> responses. A stop string ends the stream here (the caller's finally
+        releases the sequence); the text held back at the end goes in GenerationFinished."""
         detok = IncrementalDetokenizer(self.tokenizer)
         last = first_at = received
+
+        def finished(reason: str, completion_tokens: int, text: str):
+            self.metrics.finished(time.monotonic() - received, reason, prompt_len,
+                                  completion_tokens, last - first_at)
+            usage = generate_pb2.Usage(prompt_tokens=prompt_len,
+                                       completion_tokens=completion_tokens)
+            return generate_pb2.GenerateResponse(finished=generate_pb2.GenerationFinished(
+                finish_reason=FINISH[reason], usage=usage, request_id=request_id, text=text))
+
         while True:
             event = await events.get()
             if isinstance(event, TokenEvent):
                 now = time.monotonic()
                 self.metrics.token(now - last, first=event.index == 0)
                 last, first_at = now, (now if event.index == 0 else first_at)
+                check = stops.feed(detok.push(event.token_id))
                 yield generate_pb2.GenerateResponse(token=generate_pb2.GeneratedToken(
-                    token_id=event.token_id, text=detok.push(event.token_id), index=event.index))
+                    token_id=event.token_id, text=check.text, index=event.index))
+                if check.stopped:
+                    yield finished("stop", event.index + 1, "")
+                    return
             elif isinstance(event, FinishedEvent):
-                self.metrics.finished(time.monotonic() - received, event.reason, prompt_len,
-                                      event.completion_tokens, last - first_at)
-                usage = generate_pb2.Usage(prompt_tokens=prompt_len,
-                                           completion_tokens=event.completion_tokens)
-                yield generate_pb2.GenerateResponse(finished=generate_pb2.GenerationFinished(
-                    finish_reason=FINISH[event.reason], usage=usage, request_id=request_id))
+                check = stops.finish(detok.finish())
+                yield finished("stop" if check.stopped else event.reason,
+                               event.completion_tokens, check.text)
                 return
             elif isinstance(event, FailedEvent):
                 raise event.error

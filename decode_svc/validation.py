@@ -10,6 +10,7 @@ import grpc
 
 from common.errors import ServiceError
 from common.pb.kvhandoff.v1 import generate_pb2
+from common.text.chat_template import ChatMessage, ChatTemplateError
 from common.tokenizer import Tokenizer
 
 C = grpc.StatusCode
@@ -46,8 +47,51 @@ def prompt_ids(request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | Non
             raise ServiceError(C.INVALID_ARGUMENT, "NO_TOKENIZER",
                                "this model has no tokenizer.json; send token_ids instead of text")
         return tokenizer.encode(request.text)
+    if kind == "messages":
+        return chat_prompt_ids(list(request.messages.messages), tokenizer)
     raise ServiceError(C.INVALID_ARGUMENT, "EMPTY_PROMPT",
                        "the request has neither text nor token_ids")
+
+
+def chat_prompt_ids(messages, tokenizer: Tokenizer | None) -> list[int]:
+    """messages: ChatMessage protos, rendered with the model's chat template."""
+    if not messages:
+        raise ServiceError(C.INVALID_ARGUMENT, "EMPTY_PROMPT", "the request has no messages")
+    if tokenizer is None:
+        raise ServiceError(C.INVALID_ARGUMENT, "NO_TOKENIZER",
+                           "this model has no tokenizer.json; send token_ids instead of messages")
+    render = getattr(tokenizer, "render_chat", None)
+    if render is None:
+        raise ServiceError(C.INVALID_ARGUMENT, "NO_CHAT_TEMPLATE",
+                           "this model's tokenizer has no chat template; send text instead")
+    try:
+        text = render([ChatMessage(m.role, m.content) for m in messages])
+    except ChatTemplateError as err:
+        reason = "NO_CHAT_TEMPLATE" if tokenizer.chat_template is None else "CHAT_TEMPLATE_ERROR"
+        raise ServiceError(C.INVALID_ARGUMENT, reason, str(err)) from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+
+
+def validate_stop_strings(request: generate_pb2.GenerateRequest,
+                          tokenizer: Tokenizer | None) -> list[str]:
+    stops = [s for s in request.stop if s]
+    if not stops:
+        return []
+    if tokenizer is None:
+        raise ServiceError(C.INVALID_ARGUMENT, "NO_TOKENIZER",
+                           "this model has no tokenizer.json, so no text to match stop strings "
+                           "against; use stop_token_ids")
+    longest = max(len(s) for s in stops)
+    if len(stops) > MAX_STOP_STRINGS or longest > MAX_STOP_STRING_CHARS:
+        raise ServiceError(C.INVALID_ARGUMENT, "BAD_STOP_STRINGS",
+                           f"at most {MAX_STOP_STRINGS} stop strings of at most "
+                           f"{MAX_STOP_STRING_CHARS} characters; got {len(stops)}, the longest "
+                           f"{longest}")
+    return stops
 
 
 def validate_generate(ids: list[int], request: generate_pb2.GenerateRequest,

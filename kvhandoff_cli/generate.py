@@ -25,12 +25,25 @@ def build_request(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
                                          has_seed=args.seed is not None)
     request = generate_pb2.GenerateRequest(
         max_tokens=args.max_tokens, sampling=sampling, ignore_eos=args.ignore_eos,
-        stop_token_ids=args.stop_token_ids)
+        stop_token_ids=args.stop_token_ids, stop=args.stop)
     if args.token_ids is not None:
         request.token_ids.ids.extend(args.token_ids)
+    elif _chat_messages(args):
+        request.messages.messages.extend(
+            generate_pb2.ChatMessage(role=role, content=content)
+            for role, content in _chat_messages(args))
     else:
         request.text = args.prompt
     return request
+
+
+def _chat_messages(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--system / --user, or --chat (PROMPT is the user's message); [] for a plain prompt."""
+    user = getattr(args, "user", None) or (args.prompt if getattr(args, "chat", False) else None)
+    if user is None:
+        return []
+    system = getattr(args, "system", None)
+    return ([("system", system)] if system else []) + [("user", user)]
 
 
 async def _stream(args: argparse.Namespace) -> int:
@@ -54,6 +67,9 @@ async def _stream(args: argparse.Namespace) -> int:
                     print(response.token.text, end="", flush=True)
             else:
                 done = response.finished
+                if done.text:  # the tail held back until the end
+                    print(json.dumps({"text": done.text}) if args.json else done.text,
+                          end="\n" if args.json else "", flush=True)
                 summary = {"token_ids": token_ids, "finish_reason": FINISH_NAMES.get(
                     done.finish_reason, "unspecified"), "prompt_tokens": done.usage.prompt_tokens,
                     "completion_tokens": done.usage.completion_tokens,
@@ -107,6 +123,12 @@ def parser() -> argparse.ArgumentParser:
                    help="sampling seed, for repeatable samples (none: the server picks one)")
     p.add_argument("--stop-token-ids", type=token_ids, default=[],
                    help="comma-separated ids that end the generation")
+    p.add_argument("--stop", action="append", default=[],
+                   help="a stop string: the text ends right before it (repeat for several)")
+    p.add_argument("--chat", action="store_true",
+                   help="send PROMPT as a user message through the model's chat template")
+    p.add_argument("--system", default=None, help="a system message (chat)")
+    p.add_argument("--user", default=None, help="the user message (chat; implies --chat)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="keep generating past the model's end-of-sequence token")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
@@ -122,10 +144,13 @@ def parser() -> argparse.ArgumentParser:
 def generate(argv: list[str]) -> int:
     p = parser()
     args = p.parse_args(argv)
-    if args.prompt is None and args.token_ids is None:
-        p.error("give a PROMPT or --token-ids")
-    if args.prompt is not None and args.token_ids is not None:
-        p.error("give a PROMPT or --token-ids, not both")
+    given = sum(x is not None for x in (args.prompt, args.token_ids, args.user))
+    if given == 0:
+        p.error("give a PROMPT, --token-ids or --user")
+    if given > 1:
+        p.error("give one of PROMPT, --token-ids or --user, not several")
+    if args.system is not None and not (args.chat or args.user is not None):
+        p.error("--system needs --chat or --user")
     try:
         if args.wait > 0:
             creds = (grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())

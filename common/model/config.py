@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+from common.model.families import FAMILIES, UnsupportedModelError, family_for
+from common.model.rope_scaling import RopeConfigError, RopeScaling
 
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
-class UnsupportedModelError(ValueError):
-    """The checkpoint is not one this server can run; the message says what and why."""
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "UnsupportedModelError"]
 
 
 @dataclass(frozen=True)
@@ -27,44 +28,41 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    family: str = "llama"
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    rope: RopeScaling = field(default_factory=RopeScaling)
 
     @classmethod
     def from_hf_dict(cls, raw: dict) -> ModelConfig:
         """Validates an HF config.json dict; raises UnsupportedModelError with the reason."""
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedModelError(
-                f"architecture {arch!r} is not supported; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if raw.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"hidden_act {raw.get('hidden_act')!r} is not supported")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise UnsupportedModelError(f"rope type {rope_type!r} is not supported (only default)")
-        if raw.get("use_sliding_window"):
-            raise UnsupportedModelError("sliding-window attention is not supported")
-        theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
+        family = family_for(raw)
+        try:
+            rope = RopeScaling.from_hf_dict(raw)
+        except RopeConfigError as err:
+            raise UnsupportedModelError(str(err)) from None
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        head_dim = raw.get("head_dim") or hidden // num_heads
+        head_dim = int(raw.get("head_dim") or hidden // num_heads)
+        if head_dim % 2:
+            raise UnsupportedModelError(f"head_dim {head_dim} is odd; RoPE needs an even head_dim")
         return cls(
-            architecture=arch,
+            architecture=raw["architectures"][0],
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             num_layers=int(raw["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
+            head_dim=head_dim,
             intermediate_size=int(raw["intermediate_size"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            rope_theta=rope.theta,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
+            family=family.name,
+            qk_norm=family.qk_norm,
+            rope=rope,
         )

@@ -1,43 +1,24 @@
-"""A Llama-family decoder (Llama, Qwen2): RMSNorm, RoPE, grouped-query attention, SwiGLU.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3): RMSNorm, RoPE (with scaling),
+grouped-query attention, SwiGLU; implements common.model.protocol.CausalLM.
 
 Weights use Hugging Face names. Optional biases (Qwen2's q/k/v, Llama's attention_bias) are
-used when present in the checkpoint. All KV goes through the paged pool via the ops interface.
+used when present in the checkpoint; Qwen3's per-head q_norm/k_norm when the family has qk_norm.
+head_dim may differ from hidden_size / num_heads. All KV goes through the paged pool via the
+ops interface.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from common.kernels.rope import build_cos_sin
 from common.model.config import ModelConfig
+from common.model.protocol import DecodeBatch, PrefillBatch
 from common.ops.interface import KernelOps
 
-
-@dataclass(frozen=True)
-class PrefillBatch:
-    """A ragged batch of prompts. token_ids, positions, slot_mapping: [T]; cu_seqlens: [B + 1]."""
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    """One new token per sequence. token_ids, positions, slot_mapping, seq_lens: [B] (seq_lens
-    counts the new token); page_table: [B, max_pages] int32."""
-
-    token_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    page_table: torch.Tensor
-    seq_lens: torch.Tensor
+__all__ = ["DecodeBatch", "LlamaModel", "PrefillBatch"]
 
 
 class LlamaModel:
@@ -55,8 +36,8 @@ class LlamaModel:
         if "lm_head.weight" not in self.w:
             self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
         self.scale = config.head_dim ** -0.5
-        self.cos_sin = build_cos_sin(config.max_position_embeddings, config.head_dim,
-                                     config.rope_theta, device)
+        self.cos_sin = config.rope.table(config.max_position_embeddings, config.head_dim,
+                                         device)  # [P, D]
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
@@ -67,8 +48,17 @@ class LlamaModel:
         q = self._linear(x, f"{p}.q_proj").view(-1, c.num_heads, c.head_dim)  # [T, Hq, D]
         k = self._linear(x, f"{p}.k_proj").view(-1, c.num_kv_heads, c.head_dim)  # [T, Hkv, D]
         v = self._linear(x, f"{p}.v_proj").view(-1, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = self._head_norm(q, f"{p}.q_norm.weight")
+            k = self._head_norm(k, f"{p}.k_norm.weight")
         self.ops.rope(q, k, positions, self.cos_sin)
         return q, k, v
+
+    def _head_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        # x: [T, H, D], normed over D per head
+        normed, _ = self.ops.rmsnorm(x.reshape(-1, x.shape[-1]), self.w[name],
+                                     self.config.rms_norm_eps, None)
+        return normed.view(x.shape)
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{layer}.mlp"
@@ -122,6 +112,17 @@ class LlamaModel:
         return self._logits(x[last], residual[last])
 
     @torch.inference_mode()
+    def layer0_kv(self, token_ids: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """token_ids, positions: [T] -> layer 0's (K, V), each [T, Hkv, D], exactly as prefill
+        stores them; no cache is touched."""
+        x = F.embedding(token_ids, self.w["model.embed_tokens.weight"])  # [T, H]
+        h, _ = self.ops.rmsnorm(x, self.w["model.layers.0.input_layernorm.weight"],
+                                self.config.rms_norm_eps, None)
+        _, k, v = self._qkv(0, h, positions)
+        return k, v
+
+    @torch.inference_mode()
     def decode(self, batch: DecodeBatch, k_cache: torch.Tensor,
                v_cache: torch.Tensor) -> torch.Tensor:
         """One step for every sequence; returns float32 logits [B, vocab]."""
@@ -138,15 +139,3 @@ class LlamaModel:
         for layer in range(self.config.num_layers):
             x, residual = self._layer(layer, x, residual, attend)
         return self._logits(x, residual)
-
-    @torch.inference_mode()
-    def layer0_kv(self, token_ids: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer 0's K (after RoPE) and V of tokens at positions, both [T] int64: they depend
-        only on each token and its position, so decode can check received KV against them
-        without attention. -> k, v: [T, Hkv, D]."""
-        x = F.embedding(token_ids, self.w["model.embed_tokens.weight"])  # [T, H]
-        h, _ = self.ops.rmsnorm(x, self.w["model.layers.0.input_layernorm.weight"],
-                                self.config.rms_norm_eps, None)
-        _, k, v = self._qkv(0, h, positions)
-        return k, v

@@ -1,7 +1,9 @@
-"""Loads a Hugging Face checkpoint directory: config.json, *.safetensors, tokenizer.json."""
+"""Loads a Hugging Face checkpoint directory: config.json, *.safetensors, generation_config.json
+(end-of-sequence ids), tokenizer.json and tokenizer_config.json."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,7 +14,7 @@ from common.model.config import ModelConfig, UnsupportedModelError
 from common.model.demo import build_demo_model
 from common.model.fingerprint import fingerprint_checkpoint
 from common.model.loaded import LoadedModel
-from common.tokenizer import HfTokenizer
+from common.text.hf_tokenizer import HfTokenizer
 
 
 def load_model(spec: str) -> LoadedModel:
@@ -33,20 +35,23 @@ def load_model(spec: str) -> LoadedModel:
     for path in files:
         weights.update(load_file(str(path)))
     _check_weights(config, weights)
-    tokenizer_path = root / "tokenizer.json"
-    tokenizer = HfTokenizer.from_file(tokenizer_path) if tokenizer_path.is_file() else None
+    config = dataclasses.replace(config, eos_token_ids=_eos_ids(root, config.eos_token_ids))
+    tokenizer = HfTokenizer.from_dir(root) if (root / "tokenizer.json").is_file() else None
     return LoadedModel(config, weights, tokenizer, fingerprint_checkpoint(root), str(root))
 
 
 def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
-    required = ["model.embed_tokens.weight", "model.norm.weight"]
-    if not config.tie_word_embeddings:
-        required.append("lm_head.weight")
-    for layer in range(config.num_layers):
-        p = f"model.layers.{layer}"
-        required += [f"{p}.self_attn.{n}_proj.weight" for n in ("q", "k", "v", "o")]
-        required += [f"{p}.mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-        required += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
-    missing = [name for name in required if name not in weights]
+    from common.model.registry import required_weights
+
+    missing = [name for name in required_weights(config) if name not in weights]
     if missing:
         raise UnsupportedModelError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _eos_ids(root: Path, from_config: tuple[int, ...]) -> tuple[int, ...]:
+    """config.json's eos ids, then generation_config.json's (what transformers' generate stops
+    at; instruct checkpoints list their end-of-turn id there)."""
+    path = root / "generation_config.json"
+    raw = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    extra = raw if isinstance(raw, list) else ([] if raw is None else [raw])
+    return tuple(dict.fromkeys([*from_config, *(int(t) for t in extra)]))

@@ -11,16 +11,17 @@ from common.capacity import Capacity, plan_capacity
 from common.config import ServiceConfig
 from common.handoff.layout import KvLayout
 from common.kvpool.kv_cache import KvPool, PoolConfig
-from common.model.llama import LlamaModel
 from common.model.loaded import LoadedModel
 from common.model.loader import load_model
+from common.model.protocol import CausalLM
+from common.model.registry import build_model
 from common.ops.select import make_ops, resolve_backend, triton_is_interpreted
 
 
 @dataclass(frozen=True)
 class Runtime:
     loaded: LoadedModel
-    model: LlamaModel
+    model: CausalLM
     pool: KvPool
     capacity: Capacity
     layout: KvLayout
@@ -42,7 +43,7 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
                     "on the CPU: correct but slow, for tests and debugging")
     loaded = load_model(config.model)
     ops = make_ops(kernels, device)
-    model = LlamaModel(loaded.config, loaded.weights, ops, device, dtype)
+    model = build_model(loaded.config, loaded.weights, ops, device, dtype)
     peak = 0
     if device.type == "cuda" and config.pool_tokens == 0 and config.memory_fraction > 0:
         peak = measure_activation_peak(
@@ -64,7 +65,7 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
 PROFILE_TOKENS = 8192
 
 
-def measure_activation_peak(model: LlamaModel, num_tokens: int) -> int:
+def measure_activation_peak(model: CausalLM, num_tokens: int) -> int:
     """Peak extra device bytes of one prefill of num_tokens; KV stores are skipped (slot -1),
     so no pool is needed yet."""
     from common.model.llama import PrefillBatch

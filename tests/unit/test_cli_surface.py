@@ -100,8 +100,8 @@ def test_health_help_names_the_command(capsys):
     (["--target", "localhost", "hi"], "'localhost' is not HOST:PORT"),
     (["--target", "[::1]", "hi"], "is not HOST:PORT"),
     (["--timeout", "0", "hi"], "--timeout: 0 must be > 0"),
-    ([], "give a PROMPT or --token-ids\n"),
-    (["hi", "--token-ids", "1"], "give a PROMPT or --token-ids, not both"),
+    ([], "give a PROMPT, --token-ids or --user\n"),
+    (["hi", "--token-ids", "1"], "give one of PROMPT, --token-ids or --user, not several"),
 ])
 def test_bad_client_input_is_one_usage_line(capsys, flags, says):
     with pytest.raises(SystemExit) as done:

@@ -1,4 +1,4 @@
-"""The checkpoint loader accepts Llama and Qwen2 and refuses everything else clearly."""
+"""The checkpoint loader accepts the supported families and refuses everything else clearly."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def test_different_weights_have_different_fingerprints(tmp_path):
     assert load_model(str(a)).fingerprint != load_model(str(b)).fingerprint
 
 
-@pytest.mark.parametrize("arch", ["MistralForCausalLM", "GPT2LMHeadModel", None])
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "GPT2LMHeadModel", None])
 def test_other_architectures_are_refused(arch):
     raw = {"architectures": [arch] if arch else [], "vocab_size": 10, "hidden_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 16}
@@ -37,9 +37,9 @@ def test_other_architectures_are_refused(arch):
 def test_unsupported_rope_scaling_is_refused(tmp_path):
     path, _ = make_checkpoint(SPECS[0], tmp_path)
     raw = json.loads((path / "config.json").read_text())
-    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    raw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}
     (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    with pytest.raises(UnsupportedModelError, match="longrope"):
         load_model(str(path))
 
 
