@@ -19,6 +19,8 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
+# Lets scripts/compose_smoke.sh (SMOKE_CLEAN=all) find this stage's leftover image.
+LABEL org.kvhandoff.stage=build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
 ENV PYTHONDONTWRITEBYTECODE=1 \
