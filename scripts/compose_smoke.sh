@@ -260,7 +260,7 @@ units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
 print(sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", str(g))))')
 t=$(now)
 "$PYTHON" scripts/compose_smoke_client.py drain --target "127.0.0.1:$api_port" \
-    --requests 4 --max-tokens "${SMOKE_DRAIN_TOKENS:-600}" --grace "$grace" \
+    --requests 4 --max-tokens "${SMOKE_DRAIN_TOKENS:-400}" --grace "$grace" \
     -- "${compose[@]}" stop | tee "$work/drain.json" >&2 || die "the drain check failed"
 timings[drain]=$(since "$t")
 for id in "$prefill_id" "$decode_id"; do
