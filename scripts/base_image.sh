@@ -34,11 +34,16 @@ command -v debootstrap >/dev/null || {
 }
 
 root=$(mktemp -d /var/tmp/kvhandoff-base.XXXXXX)
-trap 'rm -rf "$root"' EXIT
+cleanup() {
+    # A debootstrap that failed half-way may leave /proc or /sys mounted inside the root.
+    awk -v r="$root/" 'index($2, r) == 1 {print $2}' /proc/mounts | sort -r \
+        | while read -r mount; do umount -l "$mount" || true; done
+    rm -rf --one-file-system "$root" "$root.log"
+}
+trap cleanup EXIT
 echo "base_image: debootstrap $SUITE from $MIRROR (packages: $INCLUDE)"
 debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$root" "$MIRROR" \
-    >"$root.log" 2>&1 || { tail -n 30 "$root.log" >&2; rm -f "$root.log"; exit 1; }
-rm -f "$root.log"
+    >"$root.log" 2>&1 || { tail -n 30 "$root.log" >&2; exit 1; }
 # Slim like the python:*-slim images: no apt lists, caches, docs or man pages.
 chroot "$root" apt-get clean
 rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/usr/share/doc/* \
