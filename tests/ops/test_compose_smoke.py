@@ -57,9 +57,19 @@ def test_compose_smoke(tmp_path):
     report = tmp_path / "smoke.json"
     env = {**os.environ, "PYTHON": sys.executable, "SMOKE_REPORT": str(report),
            "COMPOSE": " ".join(compose_binary())}
-    result = subprocess.run(["bash", str(SMOKE)], cwd=REPO, env=env, capture_output=True,
-                            text=True, timeout=SMOKE_TIMEOUT, check=False)
-    assert result.returncode == 0, result.stderr[-6000:]
+    proc = subprocess.Popen(["bash", str(SMOKE)], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _, stderr = proc.communicate(timeout=SMOKE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the script's trap takes down what it started (dockerd included)
+        try:
+            _, stderr = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+        pytest.fail(f"compose smoke ran past {SMOKE_TIMEOUT} s:\n{stderr[-6000:]}")
+    assert proc.returncode == 0, stderr[-6000:]
     summary = json.loads(report.read_text())
     checks = "\n".join(summary["checks"])
     for promise in ("uid 10001", "/models read-only", "127.0.0.1", "streamed from the host",
