@@ -366,12 +366,12 @@ def prefill_layer0_everywhere() -> None:
     layer0: dict[tuple[str, int], object] = {}
 
     def make(original):
-        def chunk_wire(request_id, sequence_number, layer, token_start, kv):
+        def chunk_wire(request_id, sequence_number, layer, token_start, kv, nonce=b""):
             if layer == 0:
                 layer0[(request_id, token_start)] = kv
             else:
                 kv = layer0.get((request_id, token_start), kv)
-            return original(request_id, sequence_number, layer, token_start, kv)
+            return original(request_id, sequence_number, layer, token_start, kv, nonce)
         return chunk_wire
     _patch(engine, "chunk_wire", make)
 
