@@ -30,7 +30,7 @@ CONFIG_ENV = "KVHANDOFF_CONFIG"
 ROLES = ("prefill", "decode")
 
 SERVICE_HELP = {
-    "model": "'demo' or a Hugging Face checkpoint directory (Llama, Qwen2)",
+    "model": "'demo' or a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3)",
     "host": "address to bind",
     "port": "gRPC port (0 picks a free one; prefill 50061, decode 50051 by default)",
     "device": "auto, cpu, cuda or cuda:N", "dtype": "auto, float32, float16, bfloat16",

@@ -24,7 +24,7 @@ from kvhandoff_cli.arguments import HelpFormatter
 
 DEMO_NOTE = ("model 'demo': random weights, so its text is noise by design; its tokenizer has "
              "98 ids (<bos>, <eos>, one per printable ASCII character and newline); --model DIR "
-             "serves a Hugging Face checkpoint directory (Llama, Qwen2)")
+             "serves a Hugging Face checkpoint directory (Llama, Mistral, Qwen2, Qwen3)")
 
 
 class ChildStderr:
