@@ -40,9 +40,6 @@ class Exchange:
     error: str = ""  # set when the fake could not play its script (e.g. the reference failed)
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def last_commit_sent(self) -> handoff_pb2.HandoffCommit | None:
-        commits = [f.commit for f in self.sent if isinstance(f, Frame) and f.HasField("commit")]
-        return commits[-1] if commits else None
 
 
 def passthrough(i: ScriptInput) -> list:
