@@ -41,7 +41,6 @@ class Exchange:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-
 def passthrough(i: ScriptInput) -> list:
     return list(i.ref.original)
 
