@@ -21,8 +21,8 @@ from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
-from decode_svc.handoff import HandoffPolicy
-from decode_svc.local_prefill import LocalPrefillEngine, agree_locally
+from decode_svc.handoff import HandoffPolicy, InlineReceiver
+from decode_svc.local_prefill import LocalPrefillEngine, LocalPrefillReceiver, agree_locally
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.servicer import DecodeState, GenerationServicer
 from decode_svc.validation import DecodeLimits
@@ -151,7 +151,8 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
         runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
-        config.handoff_timeout_s, refusals, metrics, log, policy)
+        config.handoff_timeout_s, refusals, metrics, log, policy,
+        LocalPrefillReceiver(engine) if config.local_prefill else InlineReceiver(client, engine))
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,
         lambda: state.limits.prefill_max_prompt if state.limits else 0, refusals, counters,
