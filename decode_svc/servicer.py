@@ -42,6 +42,7 @@ class DecodeState:
 
     limits: DecodeLimits | None = None
     refusing: str = ""  # why decode refuses everything (model or layout disagree)
+    plane: str = "inline"  # the data plane agreed with prefill (decode_svc.plane_select)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):

@@ -28,6 +28,7 @@ from common.handoff.transfer import TransferRecord, TransferState
 
 class KvSender(abc.ABC):
     plane: str = ""
+    pins_bytes = False  # True: the frames refer to bytes that outlive the stream until release
 
     def __init__(self, request_id: str = "") -> None:
         self.record = TransferRecord(request_id, self.plane)

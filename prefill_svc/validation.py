@@ -8,6 +8,7 @@ import grpc
 
 from common.handoff.binding import NONCE_BYTES
 from common.handoff.layout import PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND
+from common.handoff.planes import plane_name
 from common.handoff.reasons import REJECTION_CODES
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -29,6 +30,9 @@ class PrefillLimits:
     pool_tokens: int
     model_fingerprint: str
     min_chunk_bytes: int
+    # the DataPlane values this prefill serves (UNSPECIFIED is inline)
+    data_planes: frozenset[int] = frozenset({handoff_pb2.DATA_PLANE_UNSPECIFIED,
+                                             handoff_pb2.DATA_PLANE_INLINE})
 
 
 def validate_prefill(request: handoff_pb2.PrefillRequest,
@@ -64,4 +68,8 @@ def validate_prefill(request: handoff_pb2.PrefillRequest,
     if request.max_chunk_bytes and request.max_chunk_bytes < limits.min_chunk_bytes:
         return Rejection("CHUNK_LIMIT_TOO_SMALL", f"max_chunk_bytes {request.max_chunk_bytes} is "
                          f"below one token of one layer ({limits.min_chunk_bytes} bytes)")
+    if request.data_plane not in limits.data_planes:
+        served = sorted({plane_name(p) for p in limits.data_planes})
+        return Rejection("DATA_PLANE_UNAVAILABLE", f"this prefill does not serve data plane "
+                         f"{plane_name(request.data_plane)}; it serves {', '.join(served)}")
     return None

@@ -65,9 +65,11 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_batch": (1, None), "max_waiting": (0, None), "default_max_tokens": (1, None),
     "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),
     "prefill_info_interval_s": (0.01, None), "verify_depth_positions": (0, 1024),
+    "release_grace_s": (0, None),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
-           "kernels": ("auto", "triton", "torch")}
+           "kernels": ("auto", "triton", "torch"),
+           "data_plane": ("inline", "shared-memory", "auto")}
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # (a, b): a is set only together with b.
 REQUIRES = [("tls_key", "tls_cert"), ("tls_cert", "tls_key"), ("tls_ca", "tls_cert"),
