@@ -53,6 +53,18 @@ def _pool_line(address: str) -> str:
     return f"{pool.tokens_total} tokens"
 
 
+def _plane_line(address: str, wanted: str) -> str:
+    """The plane decode agreed on: the same choice (common.handoff.planes) from the same info,
+    on the same host, with decode's defaults (no TLS, /dev/shm)."""
+    from common.handoff.planes import DEFAULT_SHM_DIR, choose_plane
+    from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        info = handoff_pb2_grpc.HandoffServiceStub(channel).GetPrefillInfo(
+            handoff_pb2.GetPrefillInfoRequest(), timeout=5)
+    return choose_plane(info, wanted, DEFAULT_SHM_DIR, True)
+
+
 def up(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="kvhandoff up", description=__doc__)
     p.add_argument("--model", default="demo")
@@ -67,6 +79,8 @@ def up(argv: list[str]) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--prefill-args", default="", help="extra flags for prefill, one string")
     p.add_argument("--decode-args", default="", help="extra flags for decode, one string")
+    p.add_argument("--data-plane", default="auto", choices=("auto", "inline", "shared-memory"),
+                   help="how KV travels; auto: the fastest plane both sides offer")
     p.add_argument("--start-timeout", type=float, default=300.0)
     args = p.parse_args(argv)
     common = ["--model", args.model, "--host", args.host, "--page-size", str(args.page_size),
@@ -94,7 +108,8 @@ def up(argv: list[str]) -> int:
             decode_port_file = Path(tmp) / "decode.port"
             procs.append(subprocess.Popen(
                 [*cli, "decode", *common, "--port", str(args.port), "--prefill", prefill_address,
-                 "--pool-tokens", str(args.decode_pool_tokens), "--port-file",
+                 "--pool-tokens", str(args.decode_pool_tokens), "--data-plane", args.data_plane,
+                 "--port-file",
                  str(decode_port_file), *shlex.split(args.decode_args)]))
             decode_port = wait_port_file(decode_port_file, procs[1], args.start_timeout)
             address = f"{args.host}:{decode_port}"
@@ -105,7 +120,8 @@ def up(argv: list[str]) -> int:
                     stats_pb2.GetStatsRequest(), timeout=5).pool.max_prompt_tokens
             print(f"ready: kvhandoff serving at {address} (prefill at {prefill_address}); "
                   f"max prompt {limit} tokens; prefill pool {_pool_line(prefill_address)}, "
-                  f"decode pool {_pool_line(address)}", flush=True)
+                  f"decode pool {_pool_line(address)}; data plane "
+                  f"{_plane_line(prefill_address, args.data_plane)}", flush=True)
             while not stopping and all(proc.poll() is None for proc in procs):
                 time.sleep(0.2)
             failed = [proc for proc in procs if proc.poll() not in (None, 0)]

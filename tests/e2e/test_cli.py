@@ -36,6 +36,7 @@ def test_up_generate_and_stop():
         line = _wait_ready(up)
         address = re.search(r"serving at (\S+)", line).group(1)
         assert "max prompt 4096 tokens" in line and "8192 tokens" in line
+        assert "data plane shared-memory" in line  # both sides offer it on one host
         ok = subprocess.run([*CLI, "generate", "--target", address, "--token-ids", "3,4,5",
                              "--max-tokens", "5", "--json", "--ignore-eos"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
