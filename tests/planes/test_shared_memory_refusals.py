@@ -159,8 +159,8 @@ def test_a_good_handoff_lands_exactly_the_bytes_prefill_packed(harness, shm):
     assert harness.pages_free() == baseline
 
 
-def _refused(harness, shm, frames, nonce, request_id, sender, die_after=None
-             ) -> HandoffRefused:
+def _refused(harness, shm, frames, nonce, request_id, sender, die_after=None,
+             decode_unlinks: bool = False) -> HandoffRefused:
     """Refused, FAILED, call ended, release sent, pages back; once prefill's own release ran
     too, no region is left (decode unlinks what it opened; it never touches one it refused)."""
     baseline = harness.pages_free()
@@ -171,6 +171,8 @@ def _refused(harness, shm, frames, nonce, request_id, sender, die_after=None
     assert client.call.cancelled and client.released == [(request_id, nonce)]
     harness.engine.release(request_id)
     assert harness.pages_free() == baseline
+    if decode_unlinks:  # before prefill's own release: decode removed what it had opened
+        assert list(shm.iterdir()) == []
     sender.release(False)
     assert list(shm.iterdir()) == []
     return err
@@ -239,7 +241,8 @@ def test_inline_bytes_and_a_reference_together_are_refused(harness, shm):
 def test_a_peer_killed_mid_transfer_is_refused_and_its_region_removed(harness, shm):
     nonce = new_nonce()
     frames, sender, _ = _handoff(harness, shm, "killed", nonce)
-    err = _refused(harness, shm, frames, nonce, "killed", sender, die_after=3)
+    err = _refused(harness, shm, frames, nonce, "killed", sender, die_after=3,
+                   decode_unlinks=True)
     assert err.reason == "PEER_UNAVAILABLE"
     sender.release(False)
 
