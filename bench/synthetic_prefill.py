@@ -90,7 +90,7 @@ async def _serve(spec: SyntheticSpec, conn) -> None:
     limits = PrefillLimits(vocab_size=VOCAB, context_window=spec.pool_tokens,
                            pool_tokens=capacity.pool_tokens, model_fingerprint=FINGERPRINT,
                            min_chunk_bytes=2 * spec.layout.bytes_per_token_per_layer,
-                           data_planes=planes.served())
+                           data_planes=planes.served(), shm_host_id=planes.shm_host_id)
     servicer = HandoffServicer(engine, spec.layout, capacity, limits, {}, log, planes=planes)
 
     names = [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name]

@@ -10,11 +10,15 @@ configured, unless the operator allowed it (D-64).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from common.config import DecodeConfig
+from common.handoff.binding import new_nonce
 from common.handoff.planes import INLINE, choose_plane
+from common.handoff.reasons import HandoffRefused
 from common.handoff.transfer import TransferRecord
+from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 
 if TYPE_CHECKING:
@@ -36,14 +40,40 @@ def plane_for(config: DecodeConfig, info) -> tuple[str, str]:
     return plane, ""
 
 
+def plane_rejected(err: HandoffRefused) -> bool:
+    """prefill refused the plane, not the prompt (P-61): nothing was computed or sent."""
+    return (err.reason == "PEER_REJECTED"
+            and err.metadata.get("peer_reason") == "DATA_PLANE_UNAVAILABLE")
+
+
 class NegotiatedReceiver(KvReceiver):
-    def __init__(self, receivers: dict[str, KvReceiver], state: DecodeState) -> None:
+    """fallback (--data-plane auto): a request whose plane the serving replica rejects is asked
+    again inline, with a fresh nonce (D-40), counted as data_plane_fallbacks (D-66)."""
+
+    def __init__(self, receivers: dict[str, KvReceiver], state: DecodeState,
+                 fallback: bool = False, counters: dict[str, int] | None = None) -> None:
         self.receivers = receivers
         self.state = state
+        self.fallback = fallback
+        self.counters = counters if counters is not None else {}
 
     @property
     def plane(self) -> str:  # type: ignore[override]
         return self.state.plane
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
-        return await self.receivers[self.state.plane].receive(job, record)
+        plane = self.state.plane
+        try:
+            return await self.receivers[plane].receive(job, record)
+        except HandoffRefused as err:
+            if plane == INLINE or not self.fallback or not plane_rejected(err):
+                raise
+        self.counters["data_plane_fallbacks"] = self.counters.get("data_plane_fallbacks", 0) + 1
+        nonce = new_nonce()
+        request = handoff_pb2.PrefillRequest()
+        request.CopyFrom(job.request)
+        request.nonce = nonce
+        retry = HandoffJob(request, dataclasses.replace(job.expect, nonce=nonce), job.sampling,
+                           job.timeout_s)
+        return await self.receivers[INLINE].receive(
+            retry, TransferRecord(record.request_id, INLINE))

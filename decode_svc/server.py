@@ -163,7 +163,8 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
         config.handoff_timeout_s, refusals, metrics, log, policy,
         LocalPrefillReceiver(engine) if config.local_prefill else NegotiatedReceiver(
             {INLINE: InlineReceiver(client, engine),
-             SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}, state))
+             SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}, state,
+            fallback=config.data_plane == "auto", counters=counters))
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,
         lambda: state.limits.prefill_max_prompt if state.limits else 0, refusals, counters,

@@ -17,7 +17,7 @@ import torch
 
 from common.handoff.codec import WireChunk, WireChunkFrame
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
-from common.handoff.planes import SHARED_MEMORY, TO_PROTO
+from common.handoff.planes import SHARED_MEMORY, TO_PROTO, host_identity
 from common.handoff.reasons import refuse
 from common.handoff.shm_region import RegionError, RegionReader
 from common.handoff.transfer import TransferRecord
@@ -104,12 +104,14 @@ class SharedMemoryReceiver(KvReceiver):
         self.client = client
         self.engine = engine
         self.directory = directory
+        self.host_id = host_identity(directory)
         self._releases: set[asyncio.Task] = set()
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
         request = handoff_pb2.PrefillRequest()
         request.CopyFrom(job.request)
         request.data_plane = TO_PROTO[SHARED_MEMORY]
+        request.data_plane_host_id = self.host_id
         landing = _Landing(self.directory, job.expect)
         try:
             return await receive_handoff(self.client, self.engine, request, job.expect,

@@ -58,7 +58,7 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,
         pool_tokens=runtime.capacity.pool_tokens, model_fingerprint=runtime.loaded.fingerprint,
         min_chunk_bytes=2 * runtime.layout.bytes_per_token_per_layer,
-        data_planes=planes.served())
+        data_planes=planes.served(), shm_host_id=planes.shm_host_id)
     stats = StatsServicer("prefill", allocator, runtime.capacity,
                           lambda: runtime.capacity.max_prompt_tokens, refusals, counters,
                           lambda: 0, engine.waiting_count)

@@ -33,6 +33,7 @@ class PrefillLimits:
     # the DataPlane values this prefill serves (UNSPECIFIED is inline)
     data_planes: frozenset[int] = frozenset({handoff_pb2.DATA_PLANE_UNSPECIFIED,
                                              handoff_pb2.DATA_PLANE_INLINE})
+    shm_host_id: str = ""  # this prefill's host identity when it serves shared memory
 
 
 def validate_prefill(request: handoff_pb2.PrefillRequest,
@@ -72,4 +73,9 @@ def validate_prefill(request: handoff_pb2.PrefillRequest,
         served = sorted({plane_name(p) for p in limits.data_planes})
         return Rejection("DATA_PLANE_UNAVAILABLE", f"this prefill does not serve data plane "
                          f"{plane_name(request.data_plane)}; it serves {', '.join(served)}")
+    if (request.data_plane == handoff_pb2.DATA_PLANE_SHARED_MEMORY
+            and request.data_plane_host_id != limits.shm_host_id):
+        return Rejection("DATA_PLANE_UNAVAILABLE", "decode runs on another host or sees another "
+                         "shared-memory directory than this prefill "
+                         f"({request.data_plane_host_id or 'no host id'} vs {limits.shm_host_id})")
     return None

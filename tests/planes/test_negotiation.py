@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
+import pytest
+import torch
+
 from common.config import DecodeConfig, PrefillConfig, ServiceConfig
+from common.handoff.binding import new_nonce
+from common.handoff.layout import KvLayout
 from common.handoff.planes import INLINE, SHARED_MEMORY, host_identity
+from common.handoff.reasons import HandoffRefused, refuse
+from common.handoff.transfer import TransferRecord, TransferState
+from common.handoff.verifier import Expectation
 from common.pb.kvhandoff.v1 import handoff_pb2
-from decode_svc.plane_select import plane_for
+from common.sampling import SamplingConfig
+from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.plane_select import NegotiatedReceiver, plane_for
+from decode_svc.servicer import DecodeState
 from prefill_svc.server import plane_offer
 from prefill_svc.validation import PrefillLimits, validate_prefill
 from tests.isolation.inproc import RecordingLog
@@ -68,7 +82,67 @@ def test_prefill_rejects_a_plane_it_does_not_serve(tmp_path):
     assert "shared-memory" in rejection.message
     offer = plane_offer(PrefillConfig(service=ServiceConfig(shm_dir=str(tmp_path))),
                         RecordingLog())
-    served = PrefillLimits(100, 64, 64, "fp", 8, offer.served())
+    served = PrefillLimits(100, 64, 64, "fp", 8, offer.served(), offer.shm_host_id)
+    request.data_plane_host_id = "another-host:1:2"  # a replica on another host: rejected
+    rejection = validate_prefill(request, served)
+    assert rejection is not None and rejection.reason_code == "DATA_PLANE_UNAVAILABLE"
+    assert "another host" in rejection.message
+    request.data_plane_host_id = host_identity(str(tmp_path))
     assert validate_prefill(request, served) is None
     request.data_plane = handoff_pb2.DATA_PLANE_UNSPECIFIED
     assert validate_prefill(request, limits) is None  # a request that predates planes: inline
+
+
+class _Receiver(KvReceiver):
+    def __init__(self, error=None) -> None:
+        self.error = error
+        self.jobs: list[HandoffJob] = []
+
+    async def receive(self, job, record):
+        self.jobs.append(job)
+        if self.error is not None:
+            record.move(TransferState.FAILED, self.error.reason)
+            raise self.error
+        record.move(TransferState.SUCCESS)
+        return LandedKv(7, 0, True)
+
+
+def _plane_refusal() -> HandoffRefused:
+    err = refuse("PEER_REJECTED", "prefill rejected the prompt (DATA_PLANE_UNAVAILABLE): ...",
+                 grpc.StatusCode.FAILED_PRECONDITION)
+    err.metadata["peer_reason"] = "DATA_PLANE_UNAVAILABLE"
+    return err
+
+
+def _job() -> HandoffJob:
+    nonce = new_nonce()
+    layout = KvLayout(1, 1, 4, torch.float32)
+    return HandoffJob(handoff_pb2.PrefillRequest(request_id="r", token_ids=[1], nonce=nonce),
+                      Expectation("r", 1, layout, "fp", 0, 10, nonce), SamplingConfig(), 5.0)
+
+
+def test_auto_falls_back_inline_with_a_fresh_nonce_when_a_replica_rejects_the_plane():
+    shm, inline, counters = _Receiver(_plane_refusal()), _Receiver(), {}
+    state = DecodeState(plane=SHARED_MEMORY)
+    receiver = NegotiatedReceiver({SHARED_MEMORY: shm, INLINE: inline}, state, True, counters)
+    job = _job()
+    landed = asyncio.run(receiver.receive(job, TransferRecord("r", SHARED_MEMORY)))
+    assert landed.first_token == 7 and counters == {"data_plane_fallbacks": 1}
+    retry = inline.jobs[0]
+    assert retry.request.nonce != job.request.nonce and len(retry.request.nonce) == 16
+    assert retry.expect.nonce == retry.request.nonce
+
+
+def test_no_fallback_for_a_named_plane_or_another_rejection():
+    state = DecodeState(plane=SHARED_MEMORY)
+    strict = NegotiatedReceiver({SHARED_MEMORY: _Receiver(_plane_refusal()),
+                                 INLINE: _Receiver()}, state, False)
+    with pytest.raises(HandoffRefused):
+        asyncio.run(strict.receive(_job(), TransferRecord("r", SHARED_MEMORY)))
+    other = refuse("PEER_REJECTED", "too long", grpc.StatusCode.INVALID_ARGUMENT)
+    other.metadata["peer_reason"] = "PROMPT_TOO_LONG"
+    inline = _Receiver()
+    auto = NegotiatedReceiver({SHARED_MEMORY: _Receiver(other), INLINE: inline}, state, True)
+    with pytest.raises(HandoffRefused):
+        asyncio.run(auto.receive(_job(), TransferRecord("r", SHARED_MEMORY)))
+    assert inline.jobs == []

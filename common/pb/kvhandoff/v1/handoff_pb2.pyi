@@ -63,7 +63,7 @@ class ReleaseHandoffResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "protocol_version", "model_fingerprint", "sampling", "max_chunk_bytes", "nonce", "data_plane")
+    __slots__ = ("request_id", "token_ids", "protocol_version", "model_fingerprint", "sampling", "max_chunk_bytes", "nonce", "data_plane", "data_plane_host_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class PrefillRequest(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    DATA_PLANE_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     protocol_version: _common_pb2.ProtocolVersion
@@ -80,7 +81,8 @@ class PrefillRequest(_message.Message):
     max_chunk_bytes: int
     nonce: bytes
     data_plane: DataPlane
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ...) -> None: ...
+    data_plane_host_id: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., data_plane_host_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("header", "chunk", "commit")
