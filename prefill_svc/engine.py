@@ -206,6 +206,8 @@ class PrefillEngine:
             kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
             frame = job.sender.chunk(job.request_id, job.chunks_sent, layer, start, kv,
                                      job.nonce)
+            if frame is None:
+                return  # released: the stream is gone; the next layer boundary drops the job
             if not self.send_budget.acquire(job.unsent, len(frame), job.cancelled):
                 return  # the stream is gone; the next layer boundary drops the job
             job.emit(frame)

@@ -35,8 +35,17 @@ class KvSender(abc.ABC):
 
     @abc.abstractmethod
     def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
-              kv: torch.Tensor, nonce: bytes) -> bytes:
-        """kv: [2, n, Hkv, D] on the CPU -> the chunk frame to emit (engine thread)."""
+              kv: torch.Tensor, nonce: bytes) -> bytes | None:
+        """kv: [2, n, Hkv, D] on the CPU -> the chunk frame to emit (engine thread); None once
+        the handoff was released (its stream is gone: the engine drops the job, and never fails
+        the other jobs of its batch because of it)."""
+
+    def _sending(self) -> bool:
+        """Marks the transfer TRANSFERRING; False when it already ended (released)."""
+        if self.record.done:
+            return False
+        self.record.move(TransferState.TRANSFERRING)
+        return True
 
     def release(self, committed: bool) -> None:
         """Frees what the frames refer to; committed: the handoff ended in an OK commit."""
@@ -51,6 +60,7 @@ class InlineSender(KvSender):
     plane = "inline"
 
     def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
-              kv: torch.Tensor, nonce: bytes) -> bytes:
-        self.record.move(TransferState.TRANSFERRING)
+              kv: torch.Tensor, nonce: bytes) -> bytes | None:
+        if not self._sending():
+            return None
         return chunk_wire(request_id, sequence_number, layer, token_start, kv, nonce)

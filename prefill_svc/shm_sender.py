@@ -20,7 +20,6 @@ from common.handoff.codec import frame_wire, kv_buffers
 from common.handoff.layout import KvLayout
 from common.handoff.planes import SHARED_MEMORY
 from common.handoff.shm_region import RegionWriter
-from common.handoff.transfer import TransferState
 from common.pb.kvhandoff.v1 import handoff_pb2
 from prefill_svc.kv_sender import KvSender
 
@@ -44,11 +43,11 @@ class SharedMemorySender(KvSender):
         return self._region.name if self._region is not None else ""
 
     def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
-              kv: torch.Tensor, nonce: bytes) -> bytes:
+              kv: torch.Tensor, nonce: bytes) -> bytes | None:
         k, v = kv_buffers(kv)
         with self._lock:
-            if self._released:
-                raise RuntimeError("the handoff's region was released")
+            if self._released or not self._sending():
+                return None
             if self._region is None:
                 self._region = RegionWriter(self.directory, self.size)
             k_offset, v_offset = self._cursor, self._cursor + len(k)
@@ -56,7 +55,6 @@ class SharedMemorySender(KvSender):
             self._region.write(v_offset, v)
             self._cursor = v_offset + len(v)
             name = self._region.name
-        self.record.move(TransferState.TRANSFERRING)
         token_end = token_start + kv.shape[1]
         crc = google_crc32c.extend(google_crc32c.value(k), v)
         meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
