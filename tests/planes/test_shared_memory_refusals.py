@@ -289,7 +289,8 @@ def test_each_chunk_is_read_when_its_reference_arrives(harness, shm):
 
 def test_decode_lands_its_own_copy_not_the_shared_source(harness, shm, monkeypatch):
     """The peer zeroes the region between the checksum check and the copy into the write
-    buffer of every chunk, then restores it: what lands is still prefill's KV, because both read decode's copy."""
+    buffer of every chunk, then restores it: what lands is still prefill's KV, because both read
+    decode's copy."""
     import decode_svc.handoff as handoff
 
     nonce = new_nonce()
