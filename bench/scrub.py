@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from common.counters import Counters
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.model.llama import LlamaModel
 from common.model.loader import load_model
@@ -77,7 +78,7 @@ def decode_tokens_per_s(args, model: LlamaModel, scrub: bool) -> float:
     pool_tokens = args.concurrency * -(-per_request // args.page_size) * args.page_size
     pool = KvPool(PoolConfig(pool_tokens, args.page_size, scrub_freed=scrub),
                   c.num_layers, c.num_kv_heads, c.head_dim, model.dtype, model.device)
-    engine = DecodeEngine(model, pool, args.concurrency, args.requests + 8, _NullLog(), {})
+    engine = DecodeEngine(model, pool, args.concurrency, args.requests + 8, _NullLog(), Counters())
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, c.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     kv = torch.randn(2, args.prompt_tokens, c.num_kv_heads, c.head_dim, generator=gen)

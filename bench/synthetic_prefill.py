@@ -29,8 +29,10 @@ from common.ops.torch_ops import TorchOps
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.server.grpc_server import create_server, set_serving
 from prefill_svc.engine import PrefillEngine
+from common.handoff.planes import DEFAULT_SHM_DIR, host_identity
+from common.handoff.shm_region import RegionWriter
 from prefill_svc.send_budget import SendBudget
-from prefill_svc.servicer import HandoffServicer, add_handoff_service
+from prefill_svc.servicer import HandoffServicer, PlaneOffer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
 FINGERPRINT = "bench-synthetic-kv"
@@ -87,10 +89,13 @@ async def _serve(spec: SyntheticSpec, conn) -> None:
     engine = PrefillEngine(model, pool, spec.layout, spec.pool_tokens, log, Counters(),
                            SendBudget(PrefillConfig(ServiceConfig()).max_unsent_bytes))
     capacity = _capacity(spec)
+    planes = PlaneOffer(host_identity(DEFAULT_SHM_DIR), DEFAULT_SHM_DIR)
     limits = PrefillLimits(vocab_size=VOCAB, context_window=spec.pool_tokens,
                            pool_tokens=capacity.pool_tokens, model_fingerprint=FINGERPRINT,
-                           min_chunk_bytes=spec.layout.kv_bytes_per_token_per_layer)
-    servicer = HandoffServicer(engine, spec.layout, capacity, limits, Counters(), log)
+                           min_chunk_bytes=spec.layout.kv_bytes_per_token_per_layer,
+                           data_planes=planes.served(), shm_host_id=planes.shm_host_id)
+    servicer = HandoffServicer(engine, spec.layout, capacity, limits, Counters(), log,
+                               planes=planes)
 
     names = [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name]
 
@@ -104,9 +109,12 @@ async def _serve(spec: SyntheticSpec, conn) -> None:
     await set_serving(health, names, True)  # decode's round_robin skips unhealthy replicas
     listener = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=_socket_sender, args=(listener,), daemon=True).start()
-    conn.send((port, listener.getsockname()[1]))
+    shm_listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_shm_sender, args=(shm_listener,), daemon=True).start()
+    conn.send((port, listener.getsockname()[1], shm_listener.getsockname()[1]))
     await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
     listener.close()
+    shm_listener.close()
     await server.stop(0)
     engine.stop()
 
@@ -126,6 +134,39 @@ def _socket_sender(listener: socket.socket) -> None:
                 if len(payload) < size:
                     payload = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
                 sock.sendall(memoryview(payload)[:size])
+
+
+SHM_PIECE_BYTES = 4 << 20
+SHM_PIECE = struct.Struct("!32sQQ")  # region name (hex part), offset, length
+
+
+def _shm_sender(listener: socket.socket) -> None:
+    """The bare shared-memory transport: per request of N bytes, write them into a fresh 0600
+    region in 4 MiB pieces and send each piece's (region, offset, length) once it is written;
+    the reader's zero-length piece acknowledges the end, then the region is unlinked."""
+    payload = b""
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            return
+        with sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            while header := _recv_exact(sock, SIZE_HEADER.size):
+                (size,) = SIZE_HEADER.unpack(header)
+                if len(payload) < size:
+                    payload = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
+                region = RegionWriter(DEFAULT_SHM_DIR, size)
+                try:
+                    name = region.name.removeprefix("kvh-").encode()
+                    for offset in range(0, size, SHM_PIECE_BYTES):
+                        n = min(SHM_PIECE_BYTES, size - offset)
+                        region.write(offset, memoryview(payload)[offset:offset + n])
+                        sock.sendall(SHM_PIECE.pack(name, offset, n))
+                    sock.sendall(SHM_PIECE.pack(name, size, 0))
+                    _recv_exact(sock, 1)  # the reader is done
+                finally:
+                    region.close()
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:

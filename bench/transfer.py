@@ -41,7 +41,13 @@ from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig
 from common.server.grpc_server import run_async
 from decode_svc.engine import DecodeEngine
+from bench.synthetic_prefill import SHM_PIECE
+from common.handoff.planes import DEFAULT_SHM_DIR, INLINE, SHARED_MEMORY
+from common.handoff.shm_region import RegionReader
+from common.handoff.transfer import TransferRecord
 from decode_svc.handoff import receive_handoff
+from decode_svc.kv_receiver import HandoffJob
+from decode_svc.shm_receiver import SharedMemoryReceiver
 from decode_svc.prefill_client import PrefillClient
 
 UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30,
@@ -71,6 +77,7 @@ class DecodeSide:
                                    log=make_logger("decode", stream=io.StringIO()),
                                    counters=Counters())
         self.client = PrefillClient(address, DEFAULT_MAX_CHUNK_BYTES, None)
+        self.shm = SharedMemoryReceiver(self.client, self.engine, DEFAULT_SHM_DIR)
 
     async def _reserve(self, request_id: str, num_tokens: int) -> None:
         loop = asyncio.get_running_loop()
@@ -81,22 +88,28 @@ class DecodeSide:
         if not isinstance(result, list):
             raise RuntimeError(f"reservation refused: {result}")
 
-    async def handoff(self, num_tokens: int) -> tuple[float, int]:
+    async def handoff(self, num_tokens: int, plane: str = INLINE) -> tuple[float, int]:
         """-> (seconds, payload bytes) of one verified handoff written into the pool."""
         request_id = uuid.uuid4().hex
         barrier = f"{request_id}-barrier"
         await self._reserve(request_id, num_tokens)
-        nonce = new_nonce()
         request = handoff_pb2.PrefillRequest(
-            request_id=request_id, token_ids=[1] * num_tokens, protocol_version=protocol_version(),
-            nonce=nonce, model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
+            request_id=request_id, token_ids=[1] * num_tokens,
+            protocol_version=protocol_version(), nonce=new_nonce(),
+            model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
             max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES)
         expect = Expectation(request_id, num_tokens, self.layout, FINGERPRINT,
-                             DEFAULT_MAX_CHUNK_BYTES, VOCAB, nonce, prompt_digest([1] * num_tokens))
+                             DEFAULT_MAX_CHUNK_BYTES, VOCAB, request.nonce,
+                             prompt_digest(request.token_ids))
         try:
             started = time.perf_counter()
-            received = await receive_handoff(self.client, self.engine, request, expect, 600.0)
-            nbytes = received.payload_bytes
+            if plane == SHARED_MEMORY:
+                landed = await self.shm.receive(
+                    HandoffJob(request, expect, SamplingConfig(), 600.0),
+                    TransferRecord(request_id, plane))
+            else:
+                landed = await receive_handoff(self.client, self.engine, request, expect, 600.0)
+            nbytes = landed.payload_bytes
             await self._reserve(barrier, 1)  # commands run in order: every write is done now
             return time.perf_counter() - started, nbytes
         finally:
@@ -117,17 +130,59 @@ def socket_receive(sock: socket.socket, size: int, buffer: bytearray) -> float:
     return time.perf_counter() - started
 
 
+def shm_receive(sock: socket.socket, size: int, buffer: bytearray) -> float:
+    """The bare shared-memory transport: ask for size bytes, pread each announced piece into
+    buffer (decode's own memory) as soon as it is written."""
+    started = time.perf_counter()
+    sock.sendall(SIZE_HEADER.pack(size))
+    view = memoryview(buffer)
+    reader = None
+    try:
+        while True:
+            name, offset, n = SHM_PIECE.unpack(_recv_all(sock, SHM_PIECE.size))
+            if n == 0:
+                break
+            if reader is None:
+                reader = RegionReader(DEFAULT_SHM_DIR, "kvh-" + name.decode())
+            reader.read_into(offset, view[offset:offset + n])
+        return time.perf_counter() - started
+    finally:
+        if reader is not None:
+            reader.close()
+        sock.sendall(b"\x01")
+
+
+def _recv_all(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        part = sock.recv(size - len(data))
+        if not part:
+            raise ConnectionError("the shared-memory sender closed early")
+        data += part
+    return bytes(data)
+
+
 def default_repeats(size: int) -> int:
     return max(2, min(30, (256 << 20) // max(size, 1)))
 
 
+def _stats(nbytes: int, seconds: list[float]) -> dict:
+    """GB/s of the fastest, median and slowest run."""
+    return {"gbps_min": nbytes / max(seconds) / 1e9, "gbps_median":
+            nbytes / statistics.median(seconds) / 1e9, "gbps_max": nbytes / min(seconds) / 1e9,
+            "seconds": seconds}
+
+
 async def measure(layout: KvLayout, sizes: list[int], repeats: int, grpc_port: int,
-                  socket_port: int, progress) -> list[dict]:
+                  socket_port: int, progress, shm_port: int = 0) -> list[dict]:
+    """Per size, interleaved in each repeat: the services' inline handoff, their shared-memory
+    handoff, raw TCP and bare shared memory moving the same bytes."""
     per_token = layout.kv_bytes_per_token
     side = DecodeSide(layout, max(-(-s // per_token) for s in sizes), f"127.0.0.1:{grpc_port}")
     side.engine.start()
     sock = socket.create_connection(("127.0.0.1", socket_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    shm_sock = socket.create_connection(("127.0.0.1", shm_port)) if shm_port else None
     results = []
     try:
         for size in sizes:
@@ -135,30 +190,54 @@ async def measure(layout: KvLayout, sizes: list[int], repeats: int, grpc_port: i
             nbytes = tokens * per_token
             reps = repeats or default_repeats(nbytes)
             buffer = bytearray(nbytes)
-            handoff_s, socket_s = [], []
+            times: dict[str, list[float]] = {"inline": [], "shared-memory": [], "tcp": [],
+                                             "bare-shared-memory": []}
             for rep in range(reps + 1):  # the first of each is a warm-up
-                seconds, got = await side.handoff(tokens)
-                if got != nbytes:
-                    raise RuntimeError(f"handoff moved {got} bytes, expected {nbytes}")
-                sock_seconds = socket_receive(sock, nbytes, buffer)
-                if rep:
-                    handoff_s.append(seconds)
-                    socket_s.append(sock_seconds)
+                runs = {"inline": await side.handoff(tokens, INLINE),
+                        "tcp": (socket_receive(sock, nbytes, buffer), nbytes)}
+                if shm_sock is not None:
+                    runs["shared-memory"] = await side.handoff(tokens, SHARED_MEMORY)
+                    runs["bare-shared-memory"] = (shm_receive(shm_sock, nbytes, buffer), nbytes)
+                for name, (seconds, got) in runs.items():
+                    if got != nbytes:
+                        raise RuntimeError(f"{name} moved {got} bytes, expected {nbytes}")
+                    if rep:
+                        times[name].append(seconds)
                 progress(f"{_human(nbytes)}: {rep}/{reps}")
-            handoff_gbps = nbytes / statistics.median(handoff_s) / 1e9
-            socket_gbps = nbytes / statistics.median(socket_s) / 1e9
+            rows = {name: _stats(nbytes, t) for name, t in times.items() if t}
+            handoff_gbps = rows["inline"]["gbps_median"]
+            socket_gbps = rows["tcp"]["gbps_median"]
             results.append({
                 "size_bytes": nbytes, "tokens": tokens, "repeats": reps,
                 "chunks": layout.num_layers * -(-tokens // layout.chunk_tokens(
                     DEFAULT_MAX_CHUNK_BYTES)),
                 "handoff_gbps": handoff_gbps, "socket_gbps": socket_gbps,
                 "ratio": handoff_gbps / socket_gbps,
-                "handoff_seconds": handoff_s, "socket_seconds": socket_s})
+                "handoff_seconds": times["inline"], "socket_seconds": times["tcp"],
+                "transports": _transport_rows(rows)})
     finally:
         sock.close()
+        if shm_sock is not None:
+            shm_sock.close()
         side.engine.stop()
         await side.client.close()
     return results
+
+
+BASELINE = {"inline": "tcp", "shared-memory": "bare-shared-memory", "tcp": "tcp",
+            "bare-shared-memory": "tcp"}
+
+
+def _transport_rows(rows: dict[str, dict]) -> list[dict]:
+    """One row per transport; ratio: median GB/s over the median of its bare baseline (the
+    services' planes against their bare transport, the bare ones against raw TCP)."""
+    out = []
+    for name, row in rows.items():
+        base = rows.get(BASELINE[name])
+        ratio = row["gbps_median"] / base["gbps_median"] if base else float("nan")
+        out.append({"transport": name, "baseline": BASELINE[name], "ratio": ratio,
+                    "ratio_vs_tcp": row["gbps_median"] / rows["tcp"]["gbps_median"], **row})
+    return out
 
 
 def _human(n: int) -> str:
@@ -174,10 +253,13 @@ def print_table(layout: KvLayout, results: list[dict]) -> None:
           f"{layout.head_dim} x {str(layout.dtype).removeprefix('torch.')} "
           f"({layout.kv_bytes_per_token >> 10} KiB per token); chunks of at most "
           f"{layout.chunk_tokens(DEFAULT_MAX_CHUNK_BYTES)} tokens per layer")
-    print(f"{'size':>10} {'chunks':>7} {'handoff GB/s':>13} {'socket GB/s':>12} {'ratio':>6}")
+    print(f"{'size':>10} {'transport':>19} {'GB/s min':>9} {'median':>7} {'max':>7} "
+          f"{'ratio':>6} {'vs':>19} {'vs tcp':>7}")
     for r in results:
-        print(f"{_human(r['size_bytes']):>10} {r['chunks']:>7} {r['handoff_gbps']:>13.3f} "
-              f"{r['socket_gbps']:>12.3f} {r['ratio']:>6.2f}")
+        for t in r["transports"]:
+            print(f"{_human(r['size_bytes']):>10} {t['transport']:>19} {t['gbps_min']:>9.3f} "
+                  f"{t['gbps_median']:>7.3f} {t['gbps_max']:>7.3f} {t['ratio']:>6.2f} "
+                  f"{t['baseline']:>19} {t['ratio_vs_tcp']:>7.2f}")
 
 
 def main(argv: list[str]) -> int:
@@ -212,13 +294,13 @@ def main(argv: list[str]) -> int:
     try:
         if not parent.poll(300):
             raise RuntimeError("the synthetic prefill did not start within 300 s")
-        grpc_port, socket_port = parent.recv()
+        grpc_port, socket_port, shm_port = parent.recv()
 
         def progress(text: str) -> None:
             print(f"\r[transfer] {text}   ", end="", file=sys.stderr, flush=True)
 
         results = run_async(lambda: measure(layout, sizes, args.repeats, grpc_port,
-                                            socket_port, progress))
+                                            socket_port, progress, shm_port))
         print(file=sys.stderr)
     finally:
         parent.send("stop")

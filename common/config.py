@@ -34,6 +34,10 @@ class ServiceConfig:
     tls_key: str = ""
     tls_ca: str = ""
     grace_seconds: float = 5.0
+    # data planes (SPEC.md section 10): where shared-memory regions live, and whether planes that
+    # bypass the channel's TLS may be used when TLS is configured
+    shm_dir: str = "/dev/shm"
+    allow_planes_without_tls: bool = False
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":
@@ -54,6 +58,8 @@ class PrefillConfig:
     service: ServiceConfig
     max_batch_tokens: int = 8192
     max_unsent_bytes: int = 512 << 20
+    shared_memory: bool = True  # offer the shared-memory plane (same host only)
+    release_grace_s: float = 5.0  # how long out-of-band bytes outlive their stream unreleased
 
 
 @dataclass(frozen=True)
@@ -73,3 +79,4 @@ class DecodeConfig:
     allow_protocol_1_0: bool = False
     content_checks: bool = True
     verify_depth_positions: int = 4
+    data_plane: str = "inline"  # inline, shared-memory, or auto (the fastest both sides offer)

@@ -15,7 +15,6 @@ import random
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -26,24 +25,10 @@ from common.kvpool.allocator import PageOwnershipError
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
-from decode_svc.content_check import (ContentCheckConfig, ContentVerdict, FiniteTracker,
-                                      check_content, refusal_if_not_finite)
+from decode_svc.content_check import (ContentCheckConfig, FiniteTracker, check_content,
+                                      refusal_if_not_finite)
+from decode_svc.engine_commands import Begin, Release, Reserve, Stop, Verify, Write
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
-
-
-@dataclass(frozen=True)
-class _Verification:
-    request_id: str
-    token_ids: list[int]
-    sampling: SamplingConfig
-    done: Callable[[ContentVerdict | ServiceError], None]
-
-
-@dataclass
-class _Reservation:
-    request_id: str
-    num_tokens: int
-    done: Callable[[list[int] | ServiceError], None]
 
 
 COMMANDS_PER_STEP = 64
@@ -63,41 +48,52 @@ class DecodeEngine:
         self.log = log
         self.counters = counters
         self._inbox: queue.Queue = queue.Queue()
-        self._waiting: deque[_Reservation] = deque()
+        self._waiting: deque[Reserve] = deque()
         self._running: dict[str, Sequence] = {}
         self._write_failed: set[str] = set()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
+        self._handlers: dict[type, Callable[[object], None]] = {
+            Reserve: self._on_reserve, Write: self._on_write, Verify: self._on_verify,
+            Begin: self._on_begin, Release: self._on_release}
 
     # ---- called from the event loop (thread-safe) ----
     def start(self) -> None:
         self._thread.start()
 
     def stop(self) -> None:
-        self._inbox.put(("stop",))
+        self.submit(Stop())
         self._thread.join(timeout=30)
+
+    def submit(self, command: object) -> None:
+        """Queues one typed command (decode_svc.engine_commands); a type this engine has no
+        handler for raises TypeError here, in the caller's thread, and is never queued."""
+        if type(command) is not Stop and type(command) not in self._handlers:
+            raise TypeError(f"{type(self).__name__} has no handler for "
+                            f"{type(command).__name__}")
+        self._inbox.put(command)
 
     def reserve(self, request_id: str, num_tokens: int, done) -> None:
         """done(pages) once reserved, or done(ServiceError) when the admission queue is full."""
-        self._inbox.put(("reserve", _Reservation(request_id, num_tokens, done)))
+        self.submit(Reserve(request_id, num_tokens, done))
 
     def write(self, request_id: str, layer: int, token_start: int, kv: torch.Tensor) -> None:
         """kv: [2, n, Hkv, D] on the CPU; ignored if the request no longer holds pages."""
-        self._inbox.put(("write", request_id, layer, token_start, kv))
+        self.submit(Write(request_id, layer, token_start, kv))
 
     def verify(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
                done) -> None:
         """After every write of the request's handoff: checks the KV content in its pages
         (content_check); done(ContentVerdict) or done(HandoffRefused / ServiceError)."""
-        self._inbox.put(("verify", _Verification(request_id, token_ids, sampling, done)))
+        self.submit(Verify(request_id, token_ids, sampling, done))
 
     def begin(self, seq: Sequence) -> None:
         """The handoff of seq was verified and its writes queued: join the running batch."""
-        self._inbox.put(("begin", seq))
+        self.submit(Begin(seq))
 
     def release(self, request_id: str) -> None:
         """Frees whatever the request holds or waits for; safe to call more than once."""
-        self._inbox.put(("release", request_id))
+        self.submit(Release(request_id))
 
     def running_count(self) -> int:
         return len(self._running)
@@ -116,21 +112,21 @@ class DecodeEngine:
                     command = self._inbox.get(block=not self._running and handled == 0)
                 except queue.Empty:
                     break
-                if command[0] == "stop":
+                if type(command) is Stop:
                     return
                 handled += 1
                 try:
-                    getattr(self, f"_on_{command[0]}")(*command[1:])
+                    self._handlers[type(command)](command)
                 except Exception as exc:  # keep the engine alive; fail only that request
-                    self.log.exception("engine_command_failed", command=command[0],
-                                       error=str(exc))
+                    self.log.exception("engine_command_failed",
+                                       command=type(command).__name__, error=str(exc))
             if self._running:
                 try:
                     self._step_or_fail()
                 except Exception as exc:  # even a failing failure path must not kill the thread
                     self.log.exception("decode_engine_error", error=str(exc))
 
-    def _on_reserve(self, res: _Reservation) -> None:
+    def _on_reserve(self, res: Reserve) -> None:
         if not self._waiting and self.pool.allocator.can_allocate(res.num_tokens):
             self._grant(res)
         elif len(self._waiting) >= self.max_waiting:
@@ -144,7 +140,7 @@ class DecodeEngine:
         while self._waiting and self.pool.allocator.can_allocate(self._waiting[0].num_tokens):
             self._grant(self._waiting.popleft())
 
-    def _grant(self, res: _Reservation) -> None:
+    def _grant(self, res: Reserve) -> None:
         """Allocates res's pages and answers it; an allocator error answers INTERNAL, so no
         caller waits forever for a reservation."""
         try:
@@ -156,7 +152,9 @@ class DecodeEngine:
             return
         res.done(pages)
 
-    def _on_write(self, request_id: str, layer: int, token_start: int, kv: torch.Tensor) -> None:
+    def _on_write(self, command: Write) -> None:
+        request_id, layer, token_start, kv = (command.request_id, command.layer,
+                                              command.token_start, command.kv)
         if not self.pool.allocator.holds(request_id):
             return
         try:
@@ -171,7 +169,7 @@ class DecodeEngine:
             self.log.exception("kv_write_failed", request_id=request_id, layer=layer,
                                error=str(exc))
 
-    def _on_verify(self, job: _Verification) -> None:
+    def _on_verify(self, job: Verify) -> None:
         """Answers job.done whatever happens, so no handoff waits forever."""
         request_id = job.request_id
         if not self.pool.allocator.holds(request_id):
@@ -196,7 +194,8 @@ class DecodeEngine:
             job.done(ServiceError(grpc.StatusCode.INTERNAL, "CONTENT_CHECK_FAILED",
                                   f"decode could not check the received KV: {exc}"))
 
-    def _on_begin(self, seq: Sequence) -> None:
+    def _on_begin(self, command: Begin) -> None:
+        seq = command.seq
         if not self.pool.allocator.holds(seq.request_id):  # released while in flight
             seq.emit(FailedEvent(ServiceError(grpc.StatusCode.INTERNAL, "RESERVATION_LOST",
                                               "the request's KV pages were released")))
@@ -212,7 +211,8 @@ class DecodeEngine:
         if not self._maybe_finish(seq):
             self._running[seq.request_id] = seq
 
-    def _on_release(self, request_id: str) -> None:
+    def _on_release(self, command: Release) -> None:
+        request_id = command.request_id
         self._write_failed.discard(request_id)
         self._finite.forget(request_id)
         self._running.pop(request_id, None)

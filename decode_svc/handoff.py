@@ -10,6 +10,7 @@ does.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -17,11 +18,17 @@ import grpc
 from common.errors import error_reason
 from common.handoff.codec import bytes_to_kv
 from common.handoff.reasons import HandoffRefused, refuse
+from common.handoff.transfer import TransferRecord, TransferState
 from common.handoff.verifier import Expectation, HandoffState, HandoffVerifier
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
+from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 from decode_svc.prefill_client import PrefillClient
+
+# A hook that turns a received frame into the frame the verifier reads: the out-of-band planes
+# replace a chunk's reference by decode's own copy of the bytes it names (or refuse it).
+Resolve = Callable[[object], object]
 
 DEADLINE_MARGIN_FRACTION = 0.1
 DEADLINE_MARGIN_MAX_S = 1.0
@@ -36,13 +43,7 @@ class HandoffPolicy:
     content: ContentCheckConfig = field(default_factory=ContentCheckConfig)
 
 
-@dataclass(frozen=True)
-class ReceivedHandoff:
-    """A handoff whose form is verified and whose writes are queued on the engine."""
-
-    advisory_first_token: int  # prefill's first_token_id: logged, never streamed when checked
-    payload_bytes: int
-    bound: bool  # protocol 1.1 binding checked (False: a 1.0 prefill the operator allowed)
+ReceivedHandoff = LandedKv  # the name before the seam; prefill's first token is advisory
 
 
 def handoff_budget(timeout: float) -> float:
@@ -52,25 +53,51 @@ def handoff_budget(timeout: float) -> float:
 
 async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
                           request: handoff_pb2.PrefillRequest, expect: Expectation,
-                          timeout: float) -> ReceivedHandoff:
-    """Returns once the stream ended in a verified commit; raises HandoffRefused otherwise."""
+                          timeout: float, record: TransferRecord | None = None,
+                          resolve: Resolve | None = None) -> LandedKv:
+    """Returns once the stream ended in a verified commit; raises HandoffRefused otherwise.
+    resolve (out-of-band planes) runs on each frame before the verifier sees it."""
+    record = record or TransferRecord(request.request_id, "inline")
     verifier = HandoffVerifier(expect)
     call = client.prefill(request, handoff_budget(timeout))
     received = 0
     started = time.monotonic()
     try:
         async for frame in call:
-            chunk = verifier.on_frame(frame)
+            chunk = verifier.on_frame(resolve(frame) if resolve is not None else frame)
             if chunk is not None:
+                record.move(TransferState.TRANSFERRING)
                 received += len(chunk.k) + len(chunk.v)
                 count = chunk.token_end - chunk.token_start
                 kv = bytes_to_kv(expect.layout, chunk.k, chunk.v, count)
                 engine.write(expect.request_id, chunk.layer, chunk.token_start, kv)
-        return ReceivedHandoff(verifier.finish(), received, verifier.bound)
+                record.bytes_landed = received
+        landed = LandedKv(verifier.finish(), received, verifier.bound)
+        record.move(TransferState.SUCCESS)
+        return landed
     except grpc.aio.AioRpcError as err:
-        raise _refusal_from_rpc_error(err, verifier, time.monotonic() - started) from err
+        refusal = _refusal_from_rpc_error(err, verifier, time.monotonic() - started)
+        record.move(TransferState.FAILED, refusal.reason)
+        raise refusal from err
+    except BaseException as err:
+        record.move(TransferState.FAILED, getattr(err, "reason", type(err).__name__))
+        raise
     finally:
         call.cancel()  # a no-op once the call is done; stops prefill's work otherwise
+
+
+class InlineReceiver(KvReceiver):
+    """The portable plane every peer speaks: K and V bytes inside the gRPC chunk frames."""
+
+    plane = "inline"
+
+    def __init__(self, client: PrefillClient, engine: DecodeEngine) -> None:
+        self.client = client
+        self.engine = engine
+
+    async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
+        return await receive_handoff(self.client, self.engine, job.request, job.expect,
+                                     job.timeout_s, record)
 
 
 def _refusal_from_rpc_error(err: grpc.aio.AioRpcError, verifier: HandoffVerifier,

@@ -21,6 +21,7 @@ import torch
 
 from common.config import DecodeConfig
 from common.errors import ServiceError
+from common.handoff.transfer import TransferRecord, TransferState
 from common.model.llama import PrefillBatch
 from common.sampling import SamplingConfig, sample_batch
 from common.server.grpc_server import set_serving
@@ -28,20 +29,27 @@ from common.server.runtime import Runtime
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
 from decode_svc.state import DecodeState
+from decode_svc.engine_commands import LocalPrefill
+from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 from decode_svc.validation import DecodeLimits
 
 
 class LocalPrefillEngine(DecodeEngine):
     """A DecodeEngine that also runs prefill, between decode steps, on its own thread."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._handlers[LocalPrefill] = self._on_local_prefill
+
     def prefill(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
                 done: Callable[[int | ServiceError], None]) -> None:
         """Computes the prompt's KV into request_id's reserved pages; done(first token id) or
         done(ServiceError). Thread-safe; runs after every command queued before it."""
-        self._inbox.put(("local_prefill", request_id, token_ids, sampling, done))
+        self.submit(LocalPrefill(request_id, token_ids, sampling, done))
 
-    def _on_local_prefill(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
-                          done: Callable[[int | ServiceError], None]) -> None:
+    def _on_local_prefill(self, command: LocalPrefill) -> None:
+        request_id, token_ids, sampling, done = (command.request_id, command.token_ids,
+                                                 command.sampling, command.done)
         if not self.pool.allocator.holds(request_id):
             done(ServiceError(grpc.StatusCode.CANCELLED, "REQUEST_RELEASED",
                               "the request was released before its prefill ran"))
@@ -75,6 +83,26 @@ async def prefill_locally(engine: LocalPrefillEngine, request_id: str, token_ids
     token or raises the engine's ServiceError."""
     return await engine_answer(
         lambda done: engine.prefill(request_id, token_ids, sampling, done))
+
+
+class LocalPrefillReceiver(KvReceiver):
+    """The `--local-prefill` plane: the KV never travels; the engine computes it in place."""
+
+    plane = "local"
+
+    def __init__(self, engine: LocalPrefillEngine) -> None:
+        self.engine = engine
+
+    async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
+        record.move(TransferState.TRANSFERRING)
+        try:
+            first = await prefill_locally(self.engine, job.request.request_id,
+                                          list(job.request.token_ids), job.sampling)
+        except BaseException as err:
+            record.move(TransferState.FAILED, getattr(err, "reason", type(err).__name__))
+            raise
+        record.move(TransferState.SUCCESS)
+        return LandedKv(first, 0, bound=True, own_kv=True)
 
 
 def local_limits(config: DecodeConfig, runtime: Runtime) -> DecodeLimits:

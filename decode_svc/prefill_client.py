@@ -93,5 +93,12 @@ class PrefillClient:
         return HandoffStream(self._prefill_raw(
             request, timeout=timeout, metadata=((REQUEST_ID_METADATA, request.request_id),)))
 
+    async def release(self, request_id: str, nonce: bytes, timeout: float) -> bool:
+        """ReleaseHandoff: prefill may free the bytes an out-of-band handoff refers to."""
+        response = await self.stub.ReleaseHandoff(
+            handoff_pb2.ReleaseHandoffRequest(request_id=request_id, nonce=nonce),
+            timeout=timeout)
+        return response.released
+
     async def close(self) -> None:
         await self.channel.close()

@@ -12,6 +12,7 @@ import grpc
 from common.config import DecodeConfig
 from common.counters import Counters
 from common.handoff.layout import PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND, describe_layout
+from common.handoff.planes import INLINE, SHARED_MEMORY, offered
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, stats_pb2_grpc
@@ -23,10 +24,12 @@ from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
-from decode_svc.handoff import HandoffPolicy
-from decode_svc.local_prefill import LocalPrefillEngine, agree_locally
+from decode_svc.handoff import HandoffPolicy, InlineReceiver
+from decode_svc.local_prefill import LocalPrefillEngine, LocalPrefillReceiver, agree_locally
+from decode_svc.plane_select import NegotiatedReceiver, plane_for
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.servicer import GenerationServicer
+from decode_svc.shm_receiver import SharedMemoryReceiver
 from decode_svc.state import DecodeState
 from decode_svc.validation import DecodeLimits
 
@@ -94,6 +97,12 @@ async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClien
             await asyncio.sleep(1.0)
             continue
         limits, refusal = _agree(config, runtime, info, state.limits)
+        plane, why = plane_for(config, info)
+        refusal = refusal or why
+        if not refusal and plane != state.plane:
+            log.info("data_plane_chosen", plane=plane, wanted=config.data_plane,
+                     offered=sorted(offered(info)))
+            state.plane = plane
         if refusal:
             if not state.refusing:
                 log.error("prefill_mismatch", target=client.target, message=refusal)
@@ -153,7 +162,11 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
         runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
-        config.handoff_timeout_s, refusals, metrics, log, policy)
+        config.handoff_timeout_s, refusals, metrics, log, policy,
+        LocalPrefillReceiver(engine) if config.local_prefill else NegotiatedReceiver(
+            {INLINE: InlineReceiver(client, engine),
+             SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}, state,
+            fallback=config.data_plane == "auto", counters=counters))
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,
         lambda: state.limits.prefill_max_prompt if state.limits else 0, refusals, counters,

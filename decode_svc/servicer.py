@@ -1,8 +1,9 @@
 """The GenerationService on decode: validate, reserve, pull and verify the handoff, generate.
 
 Whatever ends a request (done, refused, client gone, deadline), `finally` releases its pages.
-With a LocalPrefillEngine (--local-prefill) the engine computes the prompt's KV itself instead
-of the handoff; everything else is the same path.
+How the KV reaches the pages is the receiver's business (decode_svc.kv_receiver: inline gRPC
+bytes, shared memory, or --local-prefill where the engine computes it itself); the servicer runs
+the content checks on whatever a peer sent, and never asks which receiver it holds.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from common.errors import ServiceError, abort_with
 from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.layout import KvLayout, protocol_version
 from common.handoff.reasons import HandoffRefused
+from common.handoff.transfer import TransferRecord
 from common.handoff.verifier import Expectation
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, handoff_pb2
 from common.sampling import SamplingConfig
@@ -27,8 +29,8 @@ from common.tokenizer import Tokenizer
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
 from decode_svc.content_check import ContentVerdict
-from decode_svc.handoff import HandoffPolicy, ReceivedHandoff, receive_handoff
-from decode_svc.local_prefill import LocalPrefillEngine, prefill_locally
+from decode_svc.handoff import HandoffPolicy, InlineReceiver
+from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
 from decode_svc.state import DecodeState
@@ -43,8 +45,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                  layout: KvLayout, fingerprint: str, tokenizer: Tokenizer | None,
                  eos_ids: tuple[int, ...], max_chunk_bytes: int, handoff_timeout_s: float,
                  refusals: Counters, metrics, log,
-                 policy: HandoffPolicy | None = None) -> None:
+                 policy: HandoffPolicy | None = None,
+                 receiver: KvReceiver | None = None) -> None:
         self.engine = engine
+        self.receiver = receiver or InlineReceiver(client, engine)
         self.policy = policy or HandoffPolicy()
         self.client = client
         self.state = state
@@ -98,18 +102,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             remaining = context.time_remaining()
             timeout = (self.handoff_timeout_s if remaining is None
                        else min(remaining, self.handoff_timeout_s))
-            local = isinstance(self.engine, LocalPrefillEngine)
-            if local:
-                first, nbytes = await prefill_locally(self.engine, request_id, prompt.token_ids,
-                                                      sampling), 0
-            else:
-                handoff = await receive_handoff(self.client, self.engine, handoff_request,
-                                                expect, timeout)
-                first, nbytes = await self._check_content(handoff, request_id, prompt.token_ids,
-                                                          sampling, log), handoff.payload_bytes
+            record = TransferRecord(request_id, self.receiver.plane)
+            landed = await self.receiver.receive(
+                HandoffJob(handoff_request, expect, sampling, timeout), record)
+            first, nbytes = (landed.first_token if landed.own_kv else await self._check_content(
+                landed, request_id, prompt.token_ids, sampling, log)), landed.payload_bytes
             handed = time.monotonic()
-            log.info("prefilled_locally" if local else "handoff_verified",
-                     prompt_tokens=len(prompt.token_ids), bytes=nbytes,
+            log.info("prefilled_locally" if landed.own_kv else "handoff_verified",
+                     prompt_tokens=len(prompt.token_ids), bytes=nbytes, plane=record.plane,
                      seconds=round(handed - queued, 4))
             self.metrics.handoff(handed - queued, nbytes, queued - received)
             self.metrics.admitted(len(prompt.token_ids))
@@ -148,7 +148,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
         finally:
             self.engine.release(request_id)
 
-    async def _check_content(self, handoff: ReceivedHandoff, request_id: str,
+    async def _check_content(self, handoff: LandedKv, request_id: str,
                              token_ids: list[int], sampling: SamplingConfig, log) -> int:
         """The KV content checks (raise HandoffRefused); returns the first token to stream:
         decode's own, from its own logits. Prefill's first_token_id is only compared."""

@@ -16,3 +16,4 @@ class DecodeState:
 
     limits: DecodeLimits | None = None
     refusing: str = ""  # why decode refuses everything (model or layout disagree)
+    plane: str = "inline"  # the data plane agreed with prefill (decode_svc.plane_select)

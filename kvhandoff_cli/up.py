@@ -65,6 +65,18 @@ def _pool_line(address: str) -> str:
     return f"{pool.tokens_total} tokens"
 
 
+def _plane_line(address: str, wanted: str) -> str:
+    """The plane decode agreed on: the same choice (common.handoff.planes) from the same info,
+    on the same host, with decode's defaults (no TLS, /dev/shm)."""
+    from common.handoff.planes import DEFAULT_SHM_DIR, choose_plane
+    from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        info = handoff_pb2_grpc.HandoffServiceStub(channel).GetPrefillInfo(
+            handoff_pb2.GetPrefillInfoRequest(), timeout=5)
+    return choose_plane(info, wanted, DEFAULT_SHM_DIR, True)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvhandoff up", formatter_class=HelpFormatter,
                                 description="Start a local cluster, prefill and decode as two "
@@ -101,6 +113,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     p.add_argument("--prefill-args", default="", help="extra flags for prefill, one string")
     p.add_argument("--decode-args", default="", help="extra flags for decode, one string")
+    p.add_argument("--data-plane", default="auto", choices=("auto", "inline", "shared-memory"),
+                   help="how KV travels; auto: the fastest plane both sides offer")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds each service may take to start")
     return p
@@ -158,7 +172,7 @@ def up(argv: list[str]) -> int:
             services.append(launch(
                 "decode", [*cli, "decode", *common, "--port", str(args.port), "--prefill",
                            prefill_address, "--pool-tokens", str(args.decode_pool_tokens),
-                           "--metrics-port", str(decode_metrics),
+                           "--data-plane", args.data_plane, "--metrics-port", str(decode_metrics),
                            *shlex.split(args.decode_args)],
                 Path(tmp) / "decode.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("decode")))
@@ -170,7 +184,8 @@ def up(argv: list[str]) -> int:
                     stats_pb2.GetStatsRequest(), timeout=5).pool.max_prompt_tokens
             print(f"ready: kvhandoff serving at {address} (prefill at {prefill_address}); "
                   f"max prompt {limit} tokens; prefill pool {_pool_line(prefill_address)}, "
-                  f"decode pool {_pool_line(address)}"
+                  f"decode pool {_pool_line(address)}; data plane "
+                  f"{_plane_line(prefill_address, args.data_plane)}"
                   + (f"; {DEMO_NOTE}" if args.model == "demo" else ""), flush=True)
             procs = [child.proc for child in children]
             while not stopping and all(proc.poll() is None for proc in procs):

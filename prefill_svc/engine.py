@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from common.counters import Counters
-from common.handoff.codec import chunk_wire, commit_frame, frame_wire
+from common.handoff.codec import commit_frame, frame_wire
 from common.handoff.layout import KvLayout
 from common.kvpool.kv_cache import KvPool
 from common.metrics import NullMetrics
 from common.model.llama import LlamaModel, PrefillBatch
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig, sample_batch
+from prefill_svc.kv_sender import InlineSender, KvSender
 from prefill_svc.send_budget import JobBytes, SendBudget
 
 
@@ -44,6 +45,7 @@ class PrefillJob:
     chunks_sent: int = 0
     submitted: float = field(default_factory=time.monotonic)
     unsent: JobBytes = field(default_factory=JobBytes)
+    sender: KvSender = field(default_factory=InlineSender)  # the plane the chunks leave by
 
 
 class _BatchCancelled(Exception):
@@ -214,7 +216,10 @@ class PrefillEngine:
         for start in range(0, n, job.chunk_tokens):
             count = min(job.chunk_tokens, n - start)
             kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
-            frame = chunk_wire(job.request_id, job.chunks_sent, layer, start, kv, job.nonce)
+            frame = job.sender.chunk(job.request_id, job.chunks_sent, layer, start, kv,
+                                     job.nonce)
+            if frame is None:
+                return  # released: the stream is gone; the next layer boundary drops the job
             if not self._send_budget.acquire(job.unsent, len(frame), job.cancelled):
                 return  # the stream is gone; the next layer boundary drops the job
             job.emit(frame)

@@ -11,6 +11,7 @@ import grpc
 from common.config import PrefillConfig
 from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
+from common.handoff.planes import host_identity
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import handoff_pb2, stats_pb2, stats_pb2_grpc
@@ -21,7 +22,8 @@ from common.server.runtime import build_runtime, warm_up
 from common.server.stats import StatsServicer
 from prefill_svc.engine import PrefillEngine
 from prefill_svc.send_budget import SendBudget
-from prefill_svc.servicer import HandoffServicer, add_handoff_service
+from prefill_svc.handoff_leases import HandoffLeases
+from prefill_svc.servicer import HandoffServicer, PlaneOffer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
 SERVICE_NAMES = [handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"].full_name,
@@ -36,6 +38,7 @@ class RunningPrefill:
     engine: PrefillEngine
     metrics_port: int
     log: object
+    leases: HandoffLeases
 
 
 async def start_prefill(config: PrefillConfig) -> RunningPrefill:
@@ -53,15 +56,17 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
                                                     lambda: runtime.capacity.max_prompt_tokens))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
                            log, counters, SendBudget(config.max_unsent_bytes), metrics)
+    planes = plane_offer(config, log)
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,
         pool_tokens=runtime.capacity.pool_tokens, model_fingerprint=runtime.loaded.fingerprint,
-        min_chunk_bytes=runtime.layout.kv_bytes_per_token_per_layer)
+        min_chunk_bytes=runtime.layout.kv_bytes_per_token_per_layer,
+        data_planes=planes.served(), shm_host_id=planes.shm_host_id)
     stats = StatsServicer("prefill", allocator, runtime.capacity,
                           lambda: runtime.capacity.max_prompt_tokens, refusals, counters,
                           engine.running_count, engine.waiting_count)
     handoff = HandoffServicer(engine, runtime.layout, runtime.capacity, limits, refusals, log,
-                              metrics)
+                              metrics, planes)
 
     def register(server: grpc.aio.Server) -> list[str]:
         add_handoff_service(handoff, server)
@@ -79,7 +84,25 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     engine.start()
     await set_serving(health, SERVICE_NAMES, True)
     log.info("serving", role="prefill", address=f"{svc.host}:{port}", metrics_port=metrics_port)
-    return RunningPrefill(server, port, health, engine, metrics_port, log)
+    return RunningPrefill(server, port, health, engine, metrics_port, log, handoff.leases)
+
+
+def plane_offer(config: PrefillConfig, log) -> PlaneOffer:
+    """Shared memory is offered when enabled, its directory usable, and either no TLS is
+    configured or the operator allowed planes that bypass it (P-60, P-64)."""
+    svc = config.service
+    if not config.shared_memory:
+        return PlaneOffer()
+    if svc.tls_cert and not svc.allow_planes_without_tls:
+        log.info("shared_memory_off", message="TLS is configured and the shared-memory plane "
+                 "bypasses it; start with --allow-planes-without-tls to offer it")
+        return PlaneOffer()
+    host_id = host_identity(svc.shm_dir)
+    if not host_id:
+        log.warning("shared_memory_unusable", shm_dir=svc.shm_dir,
+                    message="the shared-memory directory is missing or not writable")
+        return PlaneOffer()
+    return PlaneOffer(host_id, svc.shm_dir, config.release_grace_s)
 
 
 def serve(config: PrefillConfig, port_file: Path | None = None) -> None:
@@ -90,6 +113,7 @@ def serve(config: PrefillConfig, port_file: Path | None = None) -> None:
 
         async def on_stop() -> None:
             running.engine.stop()
+            running.leases.close()  # unlink every region still pinned
 
         await serve_until_signalled(running.server, running.health,
                                     config.service.grace_seconds, on_stop, log=running.log)

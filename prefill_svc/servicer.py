@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
@@ -20,17 +21,45 @@ from common.errors import ServiceError, abort_with
 from common.handoff.binding import prompt_digest
 from common.handoff.codec import frame_wire, header_frame
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
+from common.handoff.planes import SHARED_MEMORY, TO_PROTO
 from common.log import request_id_from
 from common.metrics import NullMetrics
 from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 from common.sampling import SamplingConfig
 from prefill_svc.engine import PrefillEngine, PrefillJob
+from prefill_svc.handoff_leases import DEFAULT_GRACE_S, HandoffLeases
+from prefill_svc.kv_sender import InlineSender, KvSender
+from prefill_svc.shm_sender import SharedMemorySender
 from prefill_svc.validation import PrefillLimits, validate_prefill
+
+
+@dataclass(frozen=True)
+class PlaneOffer:
+    """The out-of-band planes this prefill serves beside inline: shm_host_id is '' when it does
+    not offer shared memory, else its host identity (common.handoff.planes.host_identity)."""
+
+    shm_host_id: str = ""
+    shm_dir: str = ""
+    release_grace_s: float = DEFAULT_GRACE_S
+
+    def offers(self) -> list[handoff_pb2.DataPlaneOffer]:
+        """Fastest first; inline always."""
+        out = []
+        if self.shm_host_id:
+            out.append(handoff_pb2.DataPlaneOffer(plane=TO_PROTO[SHARED_MEMORY],
+                                                  host_id=self.shm_host_id))
+        return out + [handoff_pb2.DataPlaneOffer(plane=handoff_pb2.DATA_PLANE_INLINE)]
+
+    def served(self) -> frozenset[int]:
+        return frozenset({handoff_pb2.DATA_PLANE_UNSPECIFIED} | {o.plane for o in self.offers()})
 
 
 class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
     def __init__(self, engine: PrefillEngine, layout: KvLayout, capacity: Capacity,
-                 limits: PrefillLimits, refusals: Counters, log, metrics=None) -> None:
+                 limits: PrefillLimits, refusals: Counters, log, metrics=None,
+                 planes: PlaneOffer | None = None) -> None:
+        self.planes = planes or PlaneOffer()
+        self.leases = HandoffLeases(self.planes.release_grace_s, engine.counters)
         self.engine = engine
         self.layout = layout
         self.capacity = capacity
@@ -44,7 +73,21 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
             model_fingerprint=self.limits.model_fingerprint, layout=self.layout.to_proto(),
             page_size=self.capacity.page_size, protocol_versions=[protocol_version()],
             max_prompt_tokens=self.capacity.max_prompt_tokens,
-            max_context_tokens=self.capacity.context_window, vocab_size=self.limits.vocab_size)
+            max_context_tokens=self.capacity.context_window, vocab_size=self.limits.vocab_size,
+            data_planes=self.planes.offers())
+
+    async def ReleaseHandoff(self, request: handoff_pb2.ReleaseHandoffRequest, context
+                             ) -> handoff_pb2.ReleaseHandoffResponse:
+        return handoff_pb2.ReleaseHandoffResponse(
+            released=self.leases.release(request.request_id, request.nonce))
+
+    def _sender(self, request: handoff_pb2.PrefillRequest) -> KvSender:
+        if request.data_plane == TO_PROTO[SHARED_MEMORY]:
+            sender = SharedMemorySender(request.request_id, self.layout, len(request.token_ids),
+                                        self.planes.shm_dir)
+            self.leases.add(request.request_id, request.nonce, sender)
+            return sender
+        return InlineSender(request.request_id)
 
     async def Prefill(self, request: handoff_pb2.PrefillRequest, context):
         log = self.log.bind(
@@ -69,21 +112,28 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
             request_id=request.request_id, token_ids=list(request.token_ids), nonce=request.nonce,
             sampling=SamplingConfig.from_proto(request.sampling, uuid.uuid4().int & (2**63 - 1)),
             chunk_tokens=self.layout.chunk_tokens(max_chunk),
-            emit=lambda frame: loop.call_soon_threadsafe(frames.put_nowait, frame))
-        yield frame_wire(header_frame(
-            request.request_id, len(job.token_ids), handoff_pb2.HANDOFF_STATUS_OK, self.layout,
-            fingerprint, nonce=job.nonce, digest=prompt_digest(job.token_ids)))
-        log.info("prefill_started")
-        self.engine.submit(job)
+            emit=lambda frame: loop.call_soon_threadsafe(frames.put_nowait, frame),
+            sender=self._sender(request))
+        completed = False
         try:
+            yield frame_wire(header_frame(
+                request.request_id, len(job.token_ids), handoff_pb2.HANDOFF_STATUS_OK,
+                self.layout, fingerprint, nonce=job.nonce, digest=prompt_digest(job.token_ids)))
+            log.info("prefill_started")
+            self.engine.submit(job)
             while (frame := await frames.get()) is not None:
                 yield frame
                 self.engine.frame_sent(job, len(frame))
-            log.info("prefill_streamed", chunks=job.chunks_sent)
+            completed = True
+            log.info("prefill_streamed", chunks=job.chunks_sent, plane=job.sender.plane)
         finally:
             if not job.cancelled.is_set():
                 job.cancelled.set()  # no-op once the engine is done; stops work when decode left
             self.engine.stream_ended(job)  # frames never sent return their bytes
+            if not job.sender.pins_bytes:
+                job.sender.release(completed)  # nothing outlives an inline stream
+            else:  # decode may still be copying: it releases, or the grace period does (P-62)
+                self.leases.stream_ended(request.request_id, request.nonce, completed)
 
 
 SERVICE = handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"]
@@ -101,6 +151,10 @@ def add_handoff_service(servicer: HandoffServicer, server: grpc.aio.Server) -> N
             servicer.GetPrefillInfo,
             request_deserializer=handoff_pb2.GetPrefillInfoRequest.FromString,
             response_serializer=handoff_pb2.GetPrefillInfoResponse.SerializeToString),
+        "ReleaseHandoff": grpc.unary_unary_rpc_method_handler(
+            servicer.ReleaseHandoff,
+            request_deserializer=handoff_pb2.ReleaseHandoffRequest.FromString,
+            response_serializer=handoff_pb2.ReleaseHandoffResponse.SerializeToString),
     }
     methods = {method.name for method in SERVICE.methods}
     if methods != set(handlers):

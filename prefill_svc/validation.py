@@ -8,6 +8,7 @@ import grpc
 
 from common.handoff.binding import NONCE_BYTES
 from common.handoff.layout import PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND
+from common.handoff.planes import plane_name
 from common.handoff.reasons import REJECTION_CODES
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -29,6 +30,10 @@ class PrefillLimits:
     pool_tokens: int
     model_fingerprint: str
     min_chunk_bytes: int  # K+V bytes of one token in one layer: the smallest chunk payload
+    # the DataPlane values this prefill serves (UNSPECIFIED is inline)
+    data_planes: frozenset[int] = frozenset({handoff_pb2.DATA_PLANE_UNSPECIFIED,
+                                             handoff_pb2.DATA_PLANE_INLINE})
+    shm_host_id: str = ""  # this prefill's host identity when it serves shared memory
 
 
 def validate_prefill(request: handoff_pb2.PrefillRequest,
@@ -65,4 +70,13 @@ def validate_prefill(request: handoff_pb2.PrefillRequest,
         return Rejection("CHUNK_LIMIT_TOO_SMALL", f"max_chunk_bytes {request.max_chunk_bytes} is "
                          f"below the K+V bytes of one token in one layer "
                          f"({limits.min_chunk_bytes})")
+    if request.data_plane not in limits.data_planes:
+        served = sorted({plane_name(p) for p in limits.data_planes})
+        return Rejection("DATA_PLANE_UNAVAILABLE", f"this prefill does not serve data plane "
+                         f"{plane_name(request.data_plane)}; it serves {', '.join(served)}")
+    if (request.data_plane == handoff_pb2.DATA_PLANE_SHARED_MEMORY
+            and request.data_plane_host_id != limits.shm_host_id):
+        return Rejection("DATA_PLANE_UNAVAILABLE", "decode runs on another host or sees another "
+                         "shared-memory directory than this prefill "
+                         f"({request.data_plane_host_id or 'no host id'} vs {limits.shm_host_id})")
     return None

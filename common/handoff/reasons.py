@@ -60,6 +60,15 @@ REJECTION_CODES: dict[str, grpc.StatusCode] = {
     "MODEL_MISMATCH": C.FAILED_PRECONDITION,
     "CHUNK_LIMIT_TOO_SMALL": C.INVALID_ARGUMENT,
     "NONCE_INVALID": C.INVALID_ARGUMENT,
+    # data planes: prefill does not serve the plane the request names (SPEC.md section 10)
+    "DATA_PLANE_UNAVAILABLE": C.FAILED_PRECONDITION,
+}
+
+# Refusals of out-of-band planes (SPEC.md section 10.3): the bytes a chunk refers to could not
+# be landed. Listed apart from REFUSAL_CODES: the inline conformance suite cannot provoke them.
+PLANE_REFUSAL_CODES: dict[str, grpc.StatusCode] = {
+    "REGION_INVALID": C.DATA_LOSS,
+    "REFERENCE_UNEXPECTED": C.INTERNAL,
 }
 
 
@@ -68,4 +77,5 @@ class HandoffRefused(ServiceError):
 
 
 def refuse(reason: str, message: str, code: grpc.StatusCode | None = None) -> HandoffRefused:
-    return HandoffRefused(code or REFUSAL_CODES[reason], reason, message)
+    return HandoffRefused(code or REFUSAL_CODES.get(reason) or PLANE_REFUSAL_CODES[reason],
+                          reason, message)

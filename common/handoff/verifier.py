@@ -78,8 +78,12 @@ class HandoffVerifier:
             return
         if status == REJECTED:
             code = REJECTION_CODES.get(reason_code)
-            raise self._fail("PEER_REJECTED", f"prefill rejected the prompt "
-                             f"({reason_code or 'no code'}): {reason or 'no reason given'}", code)
+            refusal = self._fail("PEER_REJECTED", f"prefill rejected the prompt "
+                                 f"({reason_code or 'no code'}): {reason or 'no reason given'}",
+                                 code)
+            if reason_code:
+                refusal.metadata["peer_reason"] = reason_code[:64]
+            raise refusal
         if status == ABORTED:
             raise self._fail("PEER_ABORTED",
                              f"prefill aborted the handoff: {reason or 'no reason'}")

@@ -323,9 +323,9 @@ def prefill_drops_a_chunk() -> None:
 
 def prefill_forgets_nonce() -> None:
     """P-41 broken: chunks carry no nonce (their checksums made without one)."""
-    import prefill_svc.engine as engine
+    import prefill_svc.kv_sender as sender  # the inline plane builds the chunk frames
 
-    _patch_module(engine, "chunk_wire", lambda original: (
+    _patch_module(sender, "chunk_wire", lambda original: (
         lambda request_id, seq, layer, start, kv, nonce=b"": original(
             request_id, seq, layer, start, kv)))
 

@@ -46,6 +46,11 @@ class HandoffServiceStub:
                 request_serializer=kvhandoff_dot_v1_dot_handoff__pb2.GetPrefillInfoRequest.SerializeToString,
                 response_deserializer=kvhandoff_dot_v1_dot_handoff__pb2.GetPrefillInfoResponse.FromString,
                 _registered_method=True)
+        self.ReleaseHandoff = channel.unary_unary(
+                '/kvhandoff.v1.HandoffService/ReleaseHandoff',
+                request_serializer=kvhandoff_dot_v1_dot_handoff__pb2.ReleaseHandoffRequest.SerializeToString,
+                response_deserializer=kvhandoff_dot_v1_dot_handoff__pb2.ReleaseHandoffResponse.FromString,
+                _registered_method=True)
 
 
 class HandoffServiceServicer:
@@ -68,6 +73,14 @@ class HandoffServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseHandoff(self, request, context):
+        """Since 1.1 with data planes: decode is done reading the bytes an out-of-band handoff's chunks
+        refer to; prefill frees them. Idempotent; an unknown handoff is not an error.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HandoffServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -80,6 +93,11 @@ def add_HandoffServiceServicer_to_server(servicer, server):
                     servicer.GetPrefillInfo,
                     request_deserializer=kvhandoff_dot_v1_dot_handoff__pb2.GetPrefillInfoRequest.FromString,
                     response_serializer=kvhandoff_dot_v1_dot_handoff__pb2.GetPrefillInfoResponse.SerializeToString,
+            ),
+            'ReleaseHandoff': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseHandoff,
+                    request_deserializer=kvhandoff_dot_v1_dot_handoff__pb2.ReleaseHandoffRequest.FromString,
+                    response_serializer=kvhandoff_dot_v1_dot_handoff__pb2.ReleaseHandoffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +156,33 @@ class HandoffService:
             '/kvhandoff.v1.HandoffService/GetPrefillInfo',
             kvhandoff_dot_v1_dot_handoff__pb2.GetPrefillInfoRequest.SerializeToString,
             kvhandoff_dot_v1_dot_handoff__pb2.GetPrefillInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseHandoff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvhandoff.v1.HandoffService/ReleaseHandoff',
+            kvhandoff_dot_v1_dot_handoff__pb2.ReleaseHandoffRequest.SerializeToString,
+            kvhandoff_dot_v1_dot_handoff__pb2.ReleaseHandoffResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,112 @@
+"""Shared-memory regions for the shared-memory data plane: prefill writes, decode copies out.
+
+A region is one regular file in the shared-memory directory (/dev/shm by default) named "kvh-"
+plus 32 random hex digits (128 bits from `secrets`: unguessable), created exclusively with mode
+0600, never following a link. Decode opens only names of that exact form inside its own
+configured directory, only regular files owned by its own user with no group or other access,
+and reads them with pread into memory it owns (never a mapping: a region the peer truncates or
+rewrites cannot fault decode or change bytes after they were checked).
+
+Invariants: the writer's bytes at [offset, offset + n) are final once `write` returns; `close`
+unlinks the file and is idempotent; a reader never returns fewer bytes than asked (it raises
+RegionError instead).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import stat
+from pathlib import Path
+
+NAME = re.compile(r"kvh-[0-9a-f]{32}")
+MODE = 0o600
+
+
+class RegionError(Exception):
+    """A region that does not exist, is not safe to read, or is shorter than a reference says."""
+
+
+def new_region_name() -> str:
+    return f"kvh-{secrets.token_hex(16)}"
+
+
+class RegionWriter:
+    """Prefill's side: one region of `size` bytes, written at offsets, unlinked by close()."""
+
+    def __init__(self, directory: str, size: int) -> None:
+        self.name = new_region_name()
+        self.path = Path(directory) / self.name
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        self._fd = os.open(self.path, flags, MODE)
+        try:
+            os.fchmod(self._fd, MODE)  # whatever the umask
+            os.ftruncate(self._fd, size)
+        except BaseException:
+            self.close()
+            raise
+        self.size = size
+
+    def write(self, offset: int, data) -> None:
+        """data: a C-contiguous buffer (bytes, uint8 numpy array)."""
+        view = memoryview(data).cast("B")
+        if offset < 0 or offset + len(view) > self.size:
+            raise ValueError(f"write [{offset}, {offset + len(view)}) outside {self.size} bytes")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class RegionReader:
+    """Decode's side: opens a region by name in its own directory after the safety checks."""
+
+    def __init__(self, directory: str, name: str) -> None:
+        if not NAME.fullmatch(name):
+            raise RegionError(f"region name {name[:80]!r} is not of the form kvh-<32 hex digits>")
+        path = Path(directory) / name
+        try:
+            self._fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as err:
+            raise RegionError(f"region {name} cannot be opened: {err.strerror}") from err
+        st = os.fstat(self._fd)
+        problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+                   else "belongs to another user" if st.st_uid != os.geteuid()
+                   else f"has mode {stat.S_IMODE(st.st_mode):o}, not 600"
+                   if stat.S_IMODE(st.st_mode) & 0o077 else "")
+        if problem:
+            self.close()
+            raise RegionError(f"region {name} {problem}")
+        self.name = name
+        self.path = path
+
+    def unlink(self) -> None:
+        """Removes the region's name (the bytes go once no process maps or holds them)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def read_into(self, offset: int, out) -> None:
+        """Fills the writable buffer out (len(out) bytes) from [offset, offset + len(out))."""
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise RegionError(f"region {self.name} ends before byte {offset + len(view)}")
+            done += n
+
+    def close(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1

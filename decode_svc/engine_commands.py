@@ -1,0 +1,75 @@
+"""The decode engine's commands: one frozen dataclass each, dispatched on their type.
+
+They travel on the engine's one inbox and run in the order queued (so a request's writes always
+run before its verify, begin and release). An engine accepts only the command types it has a
+handler for: `DecodeEngine.submit` refuses anything else at once, in the caller's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from common.sampling import SamplingConfig
+from decode_svc.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Ends the engine thread after the commands queued before it."""
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """done(pages) once reserved, or done(ServiceError) when the admission queue is full."""
+
+    request_id: str
+    num_tokens: int
+    done: Callable[[object], None]
+
+
+@dataclass(frozen=True)
+class Write:
+    """kv: [2, n, Hkv, D] on the CPU, for tokens [token_start, token_start + n) of layer."""
+
+    request_id: str
+    layer: int
+    token_start: int
+    kv: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Verify:
+    """The content checks over the request's pages; done(ContentVerdict | ServiceError)."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingConfig
+    done: Callable[[object], None]
+
+
+@dataclass(frozen=True)
+class Begin:
+    """The handoff of seq was verified and its writes queued: join the running batch."""
+
+    seq: Sequence
+
+
+@dataclass(frozen=True)
+class Release:
+    """Frees whatever the request holds or waits for; safe more than once."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """--local-prefill: compute the prompt's KV into the request's reserved pages;
+    done(first token id | ServiceError)."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingConfig
+    done: Callable[[object], None]

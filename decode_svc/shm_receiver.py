@@ -1,0 +1,134 @@
+"""The shared-memory plane on decode: chunk frames carry references into a region prefill wrote
+on this host; decode copies the bytes into its own buffer FIRST, then the verifier checks the
+frame (sizes, both 1.1 checksums) over that copy, then the engine writes it, exactly as inline.
+
+Invariants (besides KvReceiver's): bytes are read only from regions named "kvh-<32 hex>" in
+decode's own shared-memory directory that pass shm_region's owner and mode checks; a reference
+is bounded (length = the layout's size for its token range, at most max_chunk_bytes for K plus
+V) before anything is read; a frame with both inline bytes and a reference is refused; every
+region opened is closed and unlinked, and ReleaseHandoff sent, however the handoff ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from common.handoff.codec import WireChunk, WireChunkFrame
+from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
+from common.handoff.planes import SHARED_MEMORY, TO_PROTO, host_identity
+from common.handoff.reasons import refuse
+from common.handoff.shm_region import RegionError, RegionReader
+from common.handoff.transfer import TransferRecord
+from common.handoff.verifier import Expectation
+from common.pb.kvhandoff.v1 import handoff_pb2
+from decode_svc.engine import DecodeEngine
+from decode_svc.handoff import receive_handoff
+from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.prefill_client import PrefillClient
+
+MAX_REGIONS_PER_HANDOFF = 4
+RELEASE_TIMEOUT_S = 5.0
+
+
+class _Landing:
+    """One handoff's open regions and the copy-out of each referenced chunk."""
+
+    def __init__(self, directory: str, expect: Expectation) -> None:
+        self.directory = directory
+        self.expect = expect
+        self.readers: dict[str, RegionReader] = {}
+
+    def resolve(self, frame):
+        if frame is None or frame.WhichOneof("frame") != "chunk":
+            return frame
+        chunk = frame.chunk
+        if not chunk.HasField("ref"):
+            return frame  # the verifier refuses its empty K and V (CHUNK_SIZE_MISMATCH)
+        if len(chunk.k) or len(chunk.v):
+            raise refuse("REFERENCE_UNEXPECTED", f"chunk {chunk.sequence_number} carries both "
+                         "inline bytes and a shared-memory reference")
+        ref = chunk.ref
+        layout = self.expect.layout
+        limit = self.expect.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES
+        tokens = chunk.token_end - chunk.token_start
+        if tokens <= 0 or tokens > self.expect.token_count or 2 * ref.length > limit:
+            return frame  # out of range or too large: the verifier names the rule, nothing read
+        if ref.length != tokens * layout.k_bytes_per_token_per_layer:
+            return frame  # the verifier refuses the size (CHUNK_SIZE_MISMATCH)
+        reader = self._reader(ref.region)
+        own = torch.empty((2, tokens, layout.num_kv_heads, layout.head_dim), dtype=layout.dtype)
+        flat = own.view(torch.uint8).view(2, -1).numpy()  # [2, length] decode's own memory
+        try:
+            reader.read_into(ref.k_offset, flat[0])
+            reader.read_into(ref.v_offset, flat[1])
+        except (RegionError, OSError) as err:
+            raise refuse("REGION_INVALID", f"chunk {chunk.sequence_number}: {err}") from err
+        k, v = flat[0], flat[1]
+        k.flags.writeable = False
+        v.flags.writeable = False
+        return WireChunkFrame(WireChunk(
+            request_id=chunk.request_id, sequence_number=chunk.sequence_number,
+            layer=chunk.layer, token_start=chunk.token_start, token_end=chunk.token_end,
+            k=k, v=v, crc32c=chunk.crc32c, nonce=bytes(chunk.nonce),
+            chunk_crc32c=chunk.chunk_crc32c))
+
+    def _reader(self, name: str) -> RegionReader:
+        reader = self.readers.get(name)
+        if reader is not None:
+            return reader
+        if len(self.readers) >= MAX_REGIONS_PER_HANDOFF:
+            raise refuse("REGION_INVALID", f"the handoff refers to more than "
+                         f"{MAX_REGIONS_PER_HANDOFF} regions")
+        try:
+            reader = RegionReader(self.directory, name)
+        except RegionError as err:
+            raise refuse("REGION_INVALID", str(err)) from err
+        self.readers[name] = reader
+        return reader
+
+    def close(self) -> None:
+        """Closes and unlinks every region this handoff opened: decode holds its own copy, and
+        a prefill killed mid-transfer would otherwise leave them behind (D-65)."""
+        for reader in self.readers.values():
+            reader.close()
+            reader.unlink()
+        self.readers.clear()
+
+
+class SharedMemoryReceiver(KvReceiver):
+    plane = SHARED_MEMORY
+
+    def __init__(self, client: PrefillClient, engine: DecodeEngine, directory: str) -> None:
+        self.client = client
+        self.engine = engine
+        self.directory = directory
+        self.host_id = host_identity(directory)
+        self._releases: set[asyncio.Task] = set()
+
+    async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
+        request = handoff_pb2.PrefillRequest()
+        request.CopyFrom(job.request)
+        request.data_plane = TO_PROTO[SHARED_MEMORY]
+        request.data_plane_host_id = self.host_id
+        landing = _Landing(self.directory, job.expect)
+        try:
+            return await receive_handoff(self.client, self.engine, request, job.expect,
+                                         job.timeout_s, record, landing.resolve)
+        finally:
+            landing.close()
+            self._release_later(request.request_id, bytes(request.nonce))
+
+    def _release_later(self, request_id: str, nonce: bytes) -> None:
+        """Off the request's path: the tokens need not wait for prefill's acknowledgement, and
+        a release that fails is covered by prefill's grace period (P-62)."""
+        task = asyncio.ensure_future(self._release(request_id, nonce))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, request_id: str, nonce: bytes) -> None:
+        try:
+            await self.client.release(request_id, nonce, RELEASE_TIMEOUT_S)
+        except Exception:  # prefill gone or slow: its grace period frees the region
+            pass

@@ -1,0 +1,66 @@
+"""The seam on prefill: how each chunk of a job's KV leaves for decode.
+
+A `KvSender` is chosen per handoff from the plane decode named in its PrefillRequest (inline
+gRPC bytes unless decode chose and prefill offers another). The engine thread calls `chunk` for
+every (layer, token range) it packs and emits the frame it returns; the servicer calls `finish`
+once the stream is over, whatever ended it.
+
+Invariants every sender keeps:
+- `chunk` returns one serialized PrefillResponse chunk frame carrying the 1.1 checksums, computed
+  over exactly the bytes decode will read (inline: the frame's own bytes; out-of-band: the bytes
+  in the region the frame names, written before the frame is returned);
+- bytes a frame refers to stay unchanged and readable until `release` (decode's explicit
+  release, or the stream's end plus the grace period); after `release` they are gone;
+- `release` is idempotent and safe from any thread;
+- the sender's `record` moves WAITING -> TRANSFERRING on the first chunk, then SUCCESS (released
+  after a commit) or FAILED (released after anything else).
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from common.handoff.codec import chunk_wire
+from common.handoff.transfer import TransferRecord, TransferState
+
+
+class KvSender(abc.ABC):
+    plane: str = ""
+    pins_bytes = False  # True: the frames refer to bytes that outlive the stream until release
+
+    def __init__(self, request_id: str = "") -> None:
+        self.record = TransferRecord(request_id, self.plane)
+
+    @abc.abstractmethod
+    def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
+              kv: torch.Tensor, nonce: bytes) -> bytes | None:
+        """kv: [2, n, Hkv, D] on the CPU -> the chunk frame to emit (engine thread); None once
+        the handoff was released (its stream is gone: the engine drops the job, and never fails
+        the other jobs of its batch because of it)."""
+
+    def _sending(self) -> bool:
+        """Marks the transfer TRANSFERRING; False when it already ended (released)."""
+        if self.record.done:
+            return False
+        self.record.move(TransferState.TRANSFERRING)
+        return True
+
+    def release(self, committed: bool) -> None:
+        """Frees what the frames refer to; committed: the handoff ended in an OK commit."""
+        if not self.record.done:
+            self.record.move(TransferState.SUCCESS if committed else TransferState.FAILED,
+                             "" if committed else "not committed")
+
+
+class InlineSender(KvSender):
+    """K and V travel inside the chunk frames (today's path, every peer speaks it)."""
+
+    plane = "inline"
+
+    def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
+              kv: torch.Tensor, nonce: bytes) -> bytes | None:
+        if not self._sending():
+            return None
+        return chunk_wire(request_id, sequence_number, layer, token_start, kv, nonce)
