@@ -361,7 +361,7 @@ def prefill_accepts_missing_version() -> None:
 
 def prefill_layer0_everywhere() -> None:
     """P-17 broken: every layer's chunks carry layer 0's K and V (well formed, crc right)."""
-    from prefill_svc import engine
+    from prefill_svc import kv_sender
 
     layer0: dict[tuple[str, int], object] = {}
 
@@ -373,7 +373,7 @@ def prefill_layer0_everywhere() -> None:
                 kv = layer0.get((request_id, token_start), kv)
             return original(request_id, sequence_number, layer, token_start, kv, nonce)
         return chunk_wire
-    _patch(engine, "chunk_wire", make)
+    _patch_module(kv_sender, "chunk_wire", make)
 
 
 def prefill_kv_of_another_prompt() -> None:
