@@ -94,7 +94,10 @@ def _reseal_value(frames: list[bytes], where: int, other: int, value: int) -> li
     index = targets[where % len(targets)]
     c = parsed[index].chunk
     part = "k" if other % 2 else "v"
-    values = np.frombuffer(getattr(c, part), dtype=dtype).copy()
+    data = getattr(c, part)
+    if len(data) % np.dtype(dtype).itemsize:  # an earlier change cut it: nothing to reseal
+        return frames
+    values = np.frombuffer(data, dtype=dtype).copy()
     if values.size == 0:
         return frames
     last = (n - 1 - c.token_start) * per_token

@@ -70,7 +70,8 @@ def test_reflection_lists_the_kvhandoff_services(ops_cluster, role):
         main = "kvhandoff.v1.GenerationService" if role == "decode" else \
             "kvhandoff.v1.HandoffService"
         methods = set(pool.FindServiceByName(main).methods_by_name)
-    assert methods == ({"Generate"} if role == "decode" else {"Prefill", "GetPrefillInfo"})
+    assert methods == ({"Generate"} if role == "decode"
+                       else {"Prefill", "GetPrefillInfo", "ReleaseHandoff"})
 
 
 def _error_info(err: grpc.RpcError) -> error_details_pb2.ErrorInfo:
