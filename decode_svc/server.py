@@ -131,6 +131,12 @@ async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClien
         await asyncio.sleep(config.prefill_info_interval_s)
 
 
+def handoff_in_clear_text(config: DecodeConfig) -> bool:
+    """Would prompts and KV cross a network unencrypted: a prefill off this machine, no TLS?"""
+    return (not config.service.tls_cert and not config.local_prefill
+            and not is_loopback_target(config.prefill_target))
+
+
 async def start_decode(config: DecodeConfig) -> RunningDecode:
     svc = config.service
     log = make_logger("decode")
@@ -177,8 +183,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
         stats_pb2_grpc.add_StatsServiceServicer_to_server(stats, server)
         return SERVICE_NAMES
 
-    if peer_tls is None and not config.local_prefill and not is_loopback_target(
-            config.prefill_target):
+    if handoff_in_clear_text(config):
         log.warning("insecure_handoff", target=config.prefill_target, message="decode talks to "
                     "a prefill off this machine without TLS: prompts and KV cross the network in "
                     "clear text; configure --tls-cert/--tls-key/--tls-ca")
