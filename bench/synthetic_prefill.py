@@ -119,8 +119,9 @@ async def _serve(spec: SyntheticSpec, conn) -> None:
     engine.stop()
 
 
-def _socket_sender(listener: socket.socket) -> None:
-    """Per connection: read a size, send that many bytes from memory, repeat until closed."""
+def _serve_sized_requests(listener: socket.socket, send) -> None:
+    """Per connection: read a size, then send(sock, payload) with that many bytes from memory,
+    repeat until the connection closes; the one request loop of the bare transports."""
     payload = b""
     while True:
         try:
@@ -133,7 +134,12 @@ def _socket_sender(listener: socket.socket) -> None:
                 (size,) = SIZE_HEADER.unpack(header)
                 if len(payload) < size:
                     payload = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
-                sock.sendall(memoryview(payload)[:size])
+                send(sock, memoryview(payload)[:size])
+
+
+def _socket_sender(listener: socket.socket) -> None:
+    """The raw TCP baseline: the bytes themselves, on the socket."""
+    _serve_sized_requests(listener, lambda sock, data: sock.sendall(data))
 
 
 SHM_PIECE_BYTES = 4 << 20
@@ -144,29 +150,22 @@ def _shm_sender(listener: socket.socket) -> None:
     """The bare shared-memory transport: per request of N bytes, write them into a fresh 0600
     region in 4 MiB pieces and send each piece's (region, offset, length) once it is written;
     the reader's zero-length piece acknowledges the end, then the region is unlinked."""
-    payload = b""
-    while True:
-        try:
-            sock, _ = listener.accept()
-        except OSError:
-            return
-        with sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while header := _recv_exact(sock, SIZE_HEADER.size):
-                (size,) = SIZE_HEADER.unpack(header)
-                if len(payload) < size:
-                    payload = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
-                region = RegionWriter(DEFAULT_SHM_DIR, size)
-                try:
-                    name = region.name.removeprefix("kvh-").encode()
-                    for offset in range(0, size, SHM_PIECE_BYTES):
-                        n = min(SHM_PIECE_BYTES, size - offset)
-                        region.write(offset, memoryview(payload)[offset:offset + n])
-                        sock.sendall(SHM_PIECE.pack(name, offset, n))
-                    sock.sendall(SHM_PIECE.pack(name, size, 0))
-                    _recv_exact(sock, 1)  # the reader is done
-                finally:
-                    region.close()
+    _serve_sized_requests(listener, _send_through_region)
+
+
+def _send_through_region(sock: socket.socket, data: memoryview) -> None:
+    size = len(data)
+    region = RegionWriter(DEFAULT_SHM_DIR, size)
+    try:
+        name = region.name.removeprefix("kvh-").encode()
+        for offset in range(0, size, SHM_PIECE_BYTES):
+            n = min(SHM_PIECE_BYTES, size - offset)
+            region.write(offset, data[offset:offset + n])
+            sock.sendall(SHM_PIECE.pack(name, offset, n))
+        sock.sendall(SHM_PIECE.pack(name, size, 0))
+        _recv_exact(sock, 1)  # the reader is done
+    finally:
+        region.close()
 
 
 def _recv_exact(sock: socket.socket, size: int) -> bytes:
