@@ -169,16 +169,22 @@ class DecodeEngine:
             self.log.exception("kv_write_failed", request_id=request_id, layer=layer,
                                error=str(exc))
 
+    def _unusable_pages(self, request_id: str) -> ServiceError | None:
+        """Why the request's pages cannot be read: released, or a KV write into them failed."""
+        if not self.pool.allocator.holds(request_id):
+            return ServiceError(grpc.StatusCode.INTERNAL, "RESERVATION_LOST",
+                                "the request's KV pages were released")
+        if request_id in self._write_failed:
+            return ServiceError(grpc.StatusCode.INTERNAL, "KV_WRITE_FAILED",
+                                "decode could not write the received KV into its pages")
+        return None
+
     def _on_verify(self, job: Verify) -> None:
         """Answers job.done whatever happens, so no handoff waits forever."""
         request_id = job.request_id
-        if not self.pool.allocator.holds(request_id):
-            job.done(ServiceError(grpc.StatusCode.INTERNAL, "RESERVATION_LOST",
-                                  "the request's KV pages were released"))
-            return
-        if request_id in self._write_failed:
-            job.done(ServiceError(grpc.StatusCode.INTERNAL, "KV_WRITE_FAILED",
-                                  "decode could not write the received KV into its pages"))
+        unusable = self._unusable_pages(request_id)
+        if unusable is not None:
+            job.done(unusable)
             return
         refusal = refusal_if_not_finite(self._finite, request_id)
         if refusal is not None:
@@ -196,14 +202,13 @@ class DecodeEngine:
 
     def _on_begin(self, command: Begin) -> None:
         seq = command.seq
-        if not self.pool.allocator.holds(seq.request_id):  # released while in flight
-            seq.emit(FailedEvent(ServiceError(grpc.StatusCode.INTERNAL, "RESERVATION_LOST",
-                                              "the request's KV pages were released")))
-            return
-        if seq.request_id in self._write_failed:
-            self._write_failed.discard(seq.request_id)
-            self._fail(seq, ServiceError(grpc.StatusCode.INTERNAL, "KV_WRITE_FAILED",
-                                         "decode could not write the received KV into its pages"))
+        unusable = self._unusable_pages(seq.request_id)
+        if unusable is not None:
+            if unusable.reason == "RESERVATION_LOST":  # released while in flight: nothing held
+                seq.emit(FailedEvent(unusable))
+            else:
+                self._write_failed.discard(seq.request_id)
+                self._fail(seq, unusable)
             return
         seq.pages = self.pool.allocator.page_table(seq.request_id)
         self.pool.allocator.mark_written(seq.request_id, seq.prompt_len)
