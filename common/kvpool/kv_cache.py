@@ -48,8 +48,21 @@ class KvPool:
         return self.config.page_size
 
     def release(self, owner: str) -> None:
-        """Frees owner's pages, poisoning or scrubbing their bytes first when configured."""
-        pages = self.allocator.page_table(owner) if self.allocator.holds(owner) else []
+        """Frees owner's pages, poisoning or scrubbing their bytes first when configured. Only
+        the pages that go back to the free list are filled: cached pages owner borrowed keep
+        their KV for the other requests that read them."""
+        self._fill(self.allocator.own_pages(owner))
+        self.allocator.free(owner)
+
+    def evict(self, pages: list[int]) -> None:
+        """Cached pages no request reads go back to the free list, poisoned or scrubbed when
+        configured. The allocator refuses first (nothing filled) if any page is borrowed; the
+        fill is queued on the engine's stream, by the engine thread, before that thread can
+        hand the pages out again, so the next owner's writes land after it."""
+        self.allocator.evict(pages)
+        self._fill(pages)
+
+    def _fill(self, pages: list[int]) -> None:
         if pages and (self.config.poison_freed or self.config.scrub_freed):
             index = torch.tensor(pages, device=self.k.device)
             value = float("nan") if self.config.poison_freed else 0.0
@@ -57,7 +70,6 @@ class KvPool:
             # owner's writes (same stream) land after the fill
             self.k.index_fill_(1, index, value)
             self.v.index_fill_(1, index, value)
-        self.allocator.free(owner)
 
     def slots_for(self, pages: list[int], token_start: int, token_end: int) -> list[int]:
         s = self.page_size
