@@ -67,10 +67,11 @@ class CaseRun:
     ended_at: float = 0.0  # time.monotonic() when the Generate call ended
 
 
-async def generate(t: DecodeTarget, prompt: list[int], deadline: float | None) -> CaseRun:
+async def generate(t: DecodeTarget, prompt: list[int], deadline: float | None,
+                   cache_salt: str = "") -> CaseRun:
     request = generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=prompt), max_tokens=MAX_TOKENS, ignore_eos=True,
-        sampling=common_pb2.SamplingParams(temperature=0.0))
+        sampling=common_pb2.SamplingParams(temperature=0.0), cache_salt=cache_salt)
     run = CaseRun(prompt, [], RpcOutcome(grpc.StatusCode.OK))
     call = generate_pb2_grpc.GenerationServiceStub(t.channel).Generate(
         request, timeout=deadline or t.timeout)
@@ -84,7 +85,7 @@ async def generate(t: DecodeTarget, prompt: list[int], deadline: float | None) -
     return run
 
 
-async def play(t: DecodeTarget, case: DecodeCase) -> CaseRun:
+async def play(t: DecodeTarget, case: DecodeCase, cache_salt: str = "") -> CaseRun:
     """Runs one case's Generate call with its script in place; returns what happened."""
     n = case.prompt_tokens(t) if callable(case.prompt_tokens) else case.prompt_tokens
     prompt = prompt_ids(n, t.vocab_size, zlib.crc32(case.case_id.encode()))
@@ -92,7 +93,7 @@ async def play(t: DecodeTarget, case: DecodeCase) -> CaseRun:
     t.fake.script = case.script
     t.fake.decoy = case.decoy
     try:
-        run = await generate(t, prompt, case.deadline)
+        run = await generate(t, prompt, case.deadline, cache_salt)
     finally:
         t.fake.decoy = None
     run.exchanges = list(t.fake.exchanges)
@@ -229,6 +230,29 @@ async def _cancel_after_refusal(t: DecodeTarget) -> list[str]:
     return problems
 
 
+async def _cache_scope_computed(t: DecodeTarget) -> list[str]:
+    """D-80 on an unauthenticated call: no salt, no scope; a salt gives a scope that is not the
+    salt as sent, the same for the same salt, another for another salt."""
+    scopes = []
+    for salt in ("", "tenant-salt-1", "tenant-salt-1", "tenant-salt-2"):
+        case = DecodeCase("cache_scope_computed", "D-80", "MUST", "", passthrough, tokens(),
+                          prompt_tokens=5)
+        run = await play(t, case, salt)
+        if not run.exchanges:
+            return [f"[D-80] decode never called the fake prefill ({run.outcome.describe()})"]
+        scopes.append(run.exchanges[0].request.cache_scope)
+    problems = []
+    if scopes[0]:
+        problems.append("[D-80] a call with neither identity nor salt carried a cache_scope")
+    if not scopes[1] or scopes[1] != scopes[2]:
+        problems.append("[D-80] one salt gave no scope, or two different scopes")
+    if scopes[1] == scopes[3]:
+        problems.append("[D-80] two salts gave the same cache_scope")
+    if any(scope in (b"tenant-salt-1", b"tenant-salt-2") for scope in scopes):
+        problems.append("[D-80] decode passed the client's salt through as the scope")
+    return problems
+
+
 def suite_cases(stall_deadline: float = 3.0) -> list[Case[DecodeTarget]]:
     """Every case of the decode suite, in the order run."""
     return [
@@ -245,6 +269,9 @@ def suite_cases(stall_deadline: float = 3.0) -> list[Case[DecodeTarget]]:
         Case("cancel_after_refusal", "D-29", "MUST", "a bad crc32c, then the stream stays open: "
              f"refused, and the prefill call cancelled within {CANCEL_WITHIN_S:g}s",
              _cancel_after_refusal),
+        Case("cache_scope_computed", "D-80", "MUST", "cache_scope: empty without identity or "
+             "salt; decode's own hash of the salt, equal for equal salts, never the salt",
+             _cache_scope_computed),
         *(_as_case(c) for c in decode_cases(stall_deadline)),
     ]
 

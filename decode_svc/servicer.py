@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 
@@ -28,6 +29,7 @@ from common.text.stop_strings import StopStrings
 from common.tokenizer import Tokenizer
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
+from decode_svc.cache_scope import cache_scope, no_identity
 from decode_svc.content_check import ContentVerdict
 from decode_svc.handoff import HandoffPolicy, InlineReceiver
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
@@ -46,7 +48,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                  eos_ids: tuple[int, ...], max_chunk_bytes: int, handoff_timeout_s: float,
                  refusals: Counters, metrics, log,
                  policy: HandoffPolicy | None = None,
-                 receiver: KvReceiver | None = None) -> None:
+                 receiver: KvReceiver | None = None,
+                 identity: Callable[[object], bytes] = no_identity) -> None:
+        self.identity = identity  # the caller's authenticated identity, from its metadata
         self.engine = engine
         self.receiver = receiver or InlineReceiver(client, engine)
         self.policy = policy or HandoffPolicy()
@@ -95,7 +99,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
             handoff_request = handoff_pb2.PrefillRequest(
                 request_id=request_id, token_ids=prompt.token_ids,
                 protocol_version=protocol_version(), model_fingerprint=self.fingerprint,
-                sampling=sampling.to_proto(), max_chunk_bytes=self.max_chunk_bytes, nonce=nonce)
+                sampling=sampling.to_proto(), max_chunk_bytes=self.max_chunk_bytes, nonce=nonce,
+                cache_scope=cache_scope(self.identity(context.invocation_metadata()),
+                                        request.cache_salt))
             expect = Expectation(request_id, len(prompt.token_ids), self.layout, self.fingerprint,
                                  self.max_chunk_bytes, limits.vocab_size, nonce,
                                  prompt_digest(prompt.token_ids), self.policy.allow_protocol_1_0)

@@ -35,6 +35,7 @@ DECODE_VARIANTS = {
     "decode_truncates_long_prompt": ({"prompt_over_window", "prompt_beyond_prefill_pool"},
                                      "good_passthrough"),
     "decode_forwards_prompt_head": ({"request_long_prompt"}, "good_passthrough"),
+    "decode_passes_salt_as_scope": ({"cache_scope_computed"}, "good_passthrough"),
     "decode_accepts_empty_fingerprint": ({"model_fingerprint_empty"}, "good_passthrough"),
     "decode_cancels_late": ({"cancel_after_refusal"}, "good_passthrough"),
     "decode_range_end_off_by_one": ({"chunk_range_end_past_count"}, "good_passthrough"),

@@ -185,6 +185,15 @@ def decode_truncates_long_prompt() -> None:
     _patch(servicer, "validate_generate", make)
 
 
+def decode_passes_salt_as_scope() -> None:
+    """D-80 broken: the client's cache_salt is sent as the cache_scope, as it came (a client
+    that knows or guesses another tenant's salt shares its cache)."""
+    from decode_svc import servicer
+
+    _patch(servicer, "cache_scope", lambda original: (
+        lambda identity, salt: salt.encode()))
+
+
 def decode_forwards_prompt_head() -> None:
     """D-03 broken: a valid prompt longer than 64 tokens is forwarded (and served) as its first
     64 tokens; the handoff it gets back is consistent with what it sent."""
@@ -396,6 +405,7 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "decode_ignores_request_id": ("decode", decode_ignores_request_id),
     "decode_truncates_long_prompt": ("decode", decode_truncates_long_prompt),
     "decode_forwards_prompt_head": ("decode", decode_forwards_prompt_head),
+    "decode_passes_salt_as_scope": ("decode", decode_passes_salt_as_scope),
     "decode_accepts_empty_fingerprint": ("decode", decode_accepts_empty_fingerprint),
     "decode_cancels_late": ("decode", decode_cancels_late),
     "decode_range_end_off_by_one": ("decode", decode_range_end_off_by_one),

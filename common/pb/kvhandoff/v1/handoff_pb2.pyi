@@ -63,7 +63,7 @@ class ReleaseHandoffResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "protocol_version", "model_fingerprint", "sampling", "max_chunk_bytes", "nonce", "data_plane", "data_plane_host_id")
+    __slots__ = ("request_id", "token_ids", "protocol_version", "model_fingerprint", "sampling", "max_chunk_bytes", "nonce", "data_plane", "data_plane_host_id", "cache_scope")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class PrefillRequest(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     DATA_PLANE_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SCOPE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     protocol_version: _common_pb2.ProtocolVersion
@@ -82,7 +83,8 @@ class PrefillRequest(_message.Message):
     nonce: bytes
     data_plane: DataPlane
     data_plane_host_id: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., data_plane_host_id: _Optional[str] = ...) -> None: ...
+    cache_scope: bytes
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., protocol_version: _Optional[_Union[_common_pb2.ProtocolVersion, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_chunk_bytes: _Optional[int] = ..., nonce: _Optional[bytes] = ..., data_plane: _Optional[_Union[DataPlane, str]] = ..., data_plane_host_id: _Optional[str] = ..., cache_scope: _Optional[bytes] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("header", "chunk", "commit")

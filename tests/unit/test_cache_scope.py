@@ -1,0 +1,33 @@
+"""Decode's prefix-cache scope (SPEC.md D-80): from the authenticated identity and the salt,
+never the salt as sent; empty with neither."""
+
+from __future__ import annotations
+
+from decode_svc.cache_scope import bearer_identity, cache_scope, no_identity
+
+
+def test_neither_identity_nor_salt_is_the_empty_scope():
+    assert cache_scope(b"", "") == b""
+
+
+def test_scopes_differ_by_identity_and_by_salt():
+    alice, bob = bearer_identity([("authorization", "Bearer a")]), bearer_identity(
+        [("authorization", "Bearer b")])
+    assert alice and bob and alice != bob
+    scopes = {cache_scope(i, s) for i in (b"", alice, bob) for s in ("", "x", "y")} - {b""}
+    assert len(scopes) == 8  # 3 identities x 3 salts, less the empty pair
+    assert cache_scope(alice, "x") == cache_scope(alice, "x")
+    assert cache_scope(b"", "x") not in (b"x", b"")
+
+
+def test_parts_are_length_prefixed():
+    """(identity, salt) pairs that concatenate alike still differ."""
+    assert cache_scope(b"ab", "c") != cache_scope(b"a", "bc")
+
+
+def test_identity_needs_exactly_one_authorization_entry():
+    assert bearer_identity([]) == b""
+    assert bearer_identity([("authorization", "Bearer a"), ("authorization", "Bearer b")]) == b""
+    assert bearer_identity([("authorization", b"Bearer a")]) == bearer_identity(
+        [("authorization", "Bearer a")])
+    assert no_identity([("authorization", "Bearer a")]) == b""
