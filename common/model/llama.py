@@ -93,15 +93,24 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Runs prompts, storing each layer's KV to batch.slot_mapping in the caches
         [L, P, S, Hkv, D]; calls on_layer_stored(layer) once that layer's KV is in place.
-        Returns the float32 logits of each prompt's last token: [B, vocab]."""
+        With batch.page_table (a chunk batch) each chunk attends over its sequence's pages
+        (the context before it, then itself, just stored); else over its own K/V.
+        Returns the float32 logits of each sequence's last token of the batch: [B, vocab]."""
+        if (batch.page_table is None) != (batch.context_lens is None):
+            raise ValueError("PrefillBatch: page_table and context_lens come together")
 
         def attend(layer: int, h: torch.Tensor) -> torch.Tensor:
             q, k, v = self._qkv(layer, h, batch.positions)
             self.ops.store_kv(k, v, k_cache[layer], v_cache[layer], batch.slot_mapping)
             if on_layer_stored is not None:
                 on_layer_stored(layer)
-            out = self.ops.prefill_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen,
-                                             self.scale)
+            if batch.page_table is None:
+                out = self.ops.prefill_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen,
+                                                 self.scale)
+            else:
+                out = self.ops.paged_prefill_attention(
+                    q, k_cache[layer], v_cache[layer], batch.page_table, batch.cu_seqlens,
+                    batch.context_lens, batch.max_seqlen, self.scale)
             return out.reshape(out.shape[0], -1)
 
         x = F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])  # [T, H]

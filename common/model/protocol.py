@@ -23,13 +23,23 @@ from common.ops.interface import KernelOps
 
 @dataclass(frozen=True)
 class PrefillBatch:
-    """A ragged batch of prompts. token_ids, positions, slot_mapping: [T]; cu_seqlens: [B + 1]."""
+    """A ragged batch of prompts, or of chunks of prompts. token_ids, positions (absolute),
+    slot_mapping: [T]; cu_seqlens: [B + 1] int32 over the batch's tokens; max_seqlen: the
+    longest of them.
+
+    A chunk batch also gives page_table: [B, max_pages] int32 (each sequence's pages in token
+    order) and context_lens: [B] int32 (tokens of sequence b already in its pages before this
+    chunk); its queries then attend to those tokens as well as causally within the chunk, all
+    read from the pages. Without a page table (both None) each sequence is a whole prompt and
+    attends only to itself. positions of sequence b must start at context_lens[b]."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     cu_seqlens: torch.Tensor
     max_seqlen: int
+    context_lens: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -54,8 +64,9 @@ class CausalLM(Protocol):
 
     def prefill(self, batch: PrefillBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Runs prompts, storing each layer's KV into the caches [L, P, S, Hkv, D];
-        -> float32 logits of each prompt's last token [B, vocab]."""
+        """Runs prompts (or chunks of prompts, see PrefillBatch), storing each layer's KV into
+        the caches [L, P, S, Hkv, D]; -> float32 logits of each sequence's last token of the
+        batch [B, vocab]."""
         ...
 
     def decode(self, batch: DecodeBatch, k_cache: torch.Tensor,

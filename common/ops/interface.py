@@ -8,7 +8,8 @@ Layouts shared by every backend:
   ``cu_seqlens: [batch + 1]`` int32 prefix sums of the lengths.
 
 Invariants every implementation keeps:
-- no lane reads a slot at or past its sequence's real length (``seq_lens`` / ``num_tokens``);
+- no lane reads a slot at or past its sequence's real length (``seq_lens`` / ``num_tokens`` /
+  ``context_lens + chunk length``);
 - no lane writes a slot that is not named by ``slot_mapping`` or by the page table;
 - the torch reference and the Triton kernel of one op agree within fp tolerance.
 """
@@ -60,6 +61,27 @@ class KernelOps(Protocol):
         scale: float,
     ) -> torch.Tensor:
         """Causal attention within each sequence. q: [T, Hq, D], k, v: [T, Hkv, D] -> [T, Hq, D]."""
+        ...
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        page_table: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_seqlen_q: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal attention of a chunk of each prompt over that prompt's pages (chunked
+        prefill). q: [T, Hq, D] ragged by cu_seqlens_q: [B + 1] int32; caches: one layer's pool
+        [P, S, Hkv, D]; page_table: [B, max_pages] int32; context_lens: [B] int32, the tokens
+        of sequence b already in its pages before this chunk -> [T, Hq, D].
+
+        Query i of sequence b sits at position context_lens[b] + i and attends to keys
+        [0, context_lens[b] + i], all read from the pages: the chunk's own K/V must be stored
+        before the call. No slot at or past context_lens[b] + chunk_len_b is read."""
         ...
 
     def decode_attention(

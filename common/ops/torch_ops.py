@@ -8,6 +8,7 @@ import torch
 
 from common.kernels.decode_attention import decode_attention_reference
 from common.kernels.pack_kv import pack_kv_reference, unpack_kv_reference
+from common.kernels.paged_prefill_attention import paged_prefill_attention_reference
 from common.kernels.prefill_attention import prefill_attention_reference
 from common.kernels.rmsnorm import rmsnorm_reference
 from common.kernels.rope import rope_reference
@@ -31,6 +32,11 @@ class TorchOps:
 
     def prefill_attention(self, q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor:
         return prefill_attention_reference(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, page_table, cu_seqlens_q,
+                                context_lens, max_seqlen_q, scale) -> torch.Tensor:
+        return paged_prefill_attention_reference(q, k_cache, v_cache, page_table, cu_seqlens_q,
+                                       context_lens, max_seqlen_q, scale)
 
     def decode_attention(self, q, k_cache, v_cache, page_table, seq_lens, scale) -> torch.Tensor:
         return decode_attention_reference(q, k_cache, v_cache, page_table, seq_lens, scale)

@@ -13,6 +13,7 @@ import torch
 
 from common.kernels.decode_attention import decode_attention
 from common.kernels.pack_kv import pack_kv, unpack_kv
+from common.kernels.paged_prefill_attention import paged_prefill_attention
 from common.kernels.prefill_attention import prefill_attention
 from common.kernels.rmsnorm import rmsnorm
 from common.kernels.rope import rope
@@ -36,6 +37,11 @@ class TritonOps:
 
     def prefill_attention(self, q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor:
         return prefill_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, page_table, cu_seqlens_q,
+                                context_lens, max_seqlen_q, scale) -> torch.Tensor:
+        return paged_prefill_attention(q, k_cache, v_cache, page_table, cu_seqlens_q,
+                                       context_lens, max_seqlen_q, scale)
 
     def decode_attention(self, q, k_cache, v_cache, page_table, seq_lens, scale) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, page_table, seq_lens, scale)
