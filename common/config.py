@@ -60,6 +60,8 @@ class PrefillConfig:
     max_unsent_bytes: int = 512 << 20
     shared_memory: bool = True  # offer the shared-memory plane (same host only)
     release_grace_s: float = 5.0  # how long out-of-band bytes outlive their stream unreleased
+    prefix_cache: bool = True  # keep whole prompt pages for later requests of the same scope
+    prefix_cache_max_pages: int = 0  # the most pages the cache may own (0: the whole pool)
 
 
 @dataclass(frozen=True)

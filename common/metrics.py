@@ -52,8 +52,12 @@ class ServiceMetrics:
     def __init__(self, role: str, pages_total: Callable[[], int], pages_free: Callable[[], int],
                  running: Callable[[], int], waiting: Callable[[], int], *,
                  model_name: str = "", counters: Counters | None = None,
-                 limits: Mapping[str, Callable[[], int]] | None = None) -> None:
-        """limits: gauges named kvhandoff_<key> (e.g. max_prompt_tokens, pool_tokens)."""
+                 limits: Mapping[str, Callable[[], int]] | None = None,
+                 gauges: Mapping[str, tuple[str, Callable[[], int]]] | None = None) -> None:
+        """limits: gauges named kvhandoff_<key> (e.g. max_prompt_tokens, pool_tokens);
+        gauges: more gauges, kvhandoff_<key> -> (help text, value), e.g. the prefix cache's.
+        pages_free counts what a new request can get (on prefill: free pages and cached pages
+        no request reads)."""
         self.role = role
         self.registry = r = CollectorRegistry()
         names = ["role", "model_name"]
@@ -71,7 +75,8 @@ class ServiceMetrics:
 
         for name, doc, fn in [
             ("kvhandoff_pool_pages", "Pages in the KV pool", pages_total),
-            ("kvhandoff_pages_in_use", "Pages owned by requests",
+            ("kvhandoff_pages_in_use", "Pages held by requests (on prefill including the "
+             "cached pages they read)",
              lambda: pages_total() - pages_free()),
             ("kvhandoff_kv_cache_usage_ratio", "Fraction of the KV pool's pages owned by "
              "requests, 0 to 1 (vLLM: kv_cache_usage_perc)", usage),
@@ -125,6 +130,8 @@ class ServiceMetrics:
         for key, fn in (limits or {}).items():
             Gauge(f"kvhandoff_{key}", f"Effective limit: {key.replace('_', ' ')}", names,
                   registry=r).labels(*own).set_function(fn)
+        for key, (doc, fn) in (gauges or {}).items():
+            Gauge(f"kvhandoff_{key}", doc, names, registry=r).labels(*own).set_function(fn)
 
     def refused(self, reason: str) -> None:
         self._refused.labels(*self._own, reason).inc()

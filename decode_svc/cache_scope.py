@@ -13,6 +13,7 @@ never comes from the client as it is.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 DOMAIN = b"kvhandoff.cache-scope.v1"
 
@@ -30,7 +31,7 @@ def cache_scope(identity: bytes, salt: str) -> bytes:
 
 def bearer_identity(metadata) -> bytes:
     """The identity of a call the bearer-token interceptor let through: SHA-256 of its token.
-    Only for servers that check tokens (decode passes `no_identity` otherwise)."""
+    Only for servers that check tokens (`identity_of_calls`)."""
     sent = [value for key, value in (metadata or ()) if key == "authorization"]
     if len(sent) != 1:
         return b""
@@ -38,5 +39,13 @@ def bearer_identity(metadata) -> bytes:
     return hashlib.sha256(value).digest()
 
 
-def no_identity(metadata) -> bytes:
+def no_identity(context) -> bytes:
     return b""
+
+
+def identity_of_calls(checks_tokens: bool) -> Callable[[object], bytes]:
+    """context -> identity of the call: the bearer token's hash when decode checks tokens,
+    else nothing."""
+    if not checks_tokens:
+        return no_identity
+    return lambda context: bearer_identity(context.invocation_metadata())

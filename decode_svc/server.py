@@ -22,7 +22,7 @@ from common.server.grpc_server import (TlsFiles, create_server, run_async, serve
 from common.server.loopback import is_loopback_host, is_loopback_target
 from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
-from decode_svc.cache_scope import bearer_identity, no_identity
+from decode_svc.cache_scope import identity_of_calls
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import HandoffPolicy, InlineReceiver
@@ -174,7 +174,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
             {INLINE: InlineReceiver(client, engine),
              SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}, state,
             fallback=config.data_plane == "auto", counters=counters),
-        bearer_identity if config.api_token else no_identity)
+        identity_of_calls(bool(config.api_token)))
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,
         lambda: state.limits.prefill_max_prompt if state.limits else 0, refusals, counters,

@@ -50,7 +50,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                  policy: HandoffPolicy | None = None,
                  receiver: KvReceiver | None = None,
                  identity: Callable[[object], bytes] = no_identity) -> None:
-        self.identity = identity  # the caller's authenticated identity, from its metadata
+        self.identity = identity  # context -> the caller's authenticated identity
         self.engine = engine
         self.receiver = receiver or InlineReceiver(client, engine)
         self.policy = policy or HandoffPolicy()
@@ -100,7 +100,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServiceServicer):
                 request_id=request_id, token_ids=prompt.token_ids,
                 protocol_version=protocol_version(), model_fingerprint=self.fingerprint,
                 sampling=sampling.to_proto(), max_chunk_bytes=self.max_chunk_bytes, nonce=nonce,
-                cache_scope=cache_scope(self.identity(context.invocation_metadata()),
+                cache_scope=cache_scope(self.identity(context),
                                         request.cache_salt))
             expect = Expectation(request_id, len(prompt.token_ids), self.layout, self.fingerprint,
                                  self.max_chunk_bytes, limits.vocab_size, nonce,

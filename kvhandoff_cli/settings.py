@@ -66,6 +66,11 @@ ROLE_HELP = {
     "data_plane": "how KV travels from prefill: inline, shared-memory, or auto (the fastest "
                   "both sides offer, else inline)",
     "max_batch_tokens": "prompt tokens in one prefill forward pass",
+    "prefix_cache": "keep whole pages of prompt KV for later requests of the same cache scope "
+                    "(the caller's identity and cache_salt; a request with neither shares "
+                    "with nobody)",
+    "prefix_cache_max_pages": "the most pool pages the prefix cache may hold (0: as many as "
+                              "the pool has; unread cached pages count as free)",
     "max_unsent_bytes": "KV bytes packed but not yet sent, over all streams; a slow decode "
                         "pauses its prefill beyond this",
     "prefill_target": "prefill address HOST:PORT (a DNS name balances over replicas)",
@@ -99,7 +104,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_batch": (1, None), "max_waiting": (0, None), "default_max_tokens": (1, None),
     "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),
     "prefill_info_interval_s": (0.01, None), "verify_depth_positions": (0, 1024),
-    "release_grace_s": (0, None),
+    "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
            "kernels": ("auto", "triton", "torch"),

@@ -115,6 +115,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-args", default="", help="extra flags for decode, one string")
     p.add_argument("--data-plane", default="auto", choices=("auto", "inline", "shared-memory"),
                    help="how KV travels; auto: the fastest plane both sides offer")
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefill keeps prompt pages for later requests of the same cache scope "
+                        "(identity and cache_salt; none shares with nobody)")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds each service may take to start")
     return p
@@ -165,7 +168,9 @@ def up(argv: list[str]) -> int:
             services.append(launch(
                 "prefill", [*cli, "prefill", *common, "--port", str(args.prefill_port),
                             "--pool-tokens", str(args.prefill_pool_tokens), "--metrics-port",
-                            str(prefill_metrics), *shlex.split(args.prefill_args)],
+                            str(prefill_metrics),
+                            "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
+                            *shlex.split(args.prefill_args)],
                 Path(tmp) / "prefill.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("prefill")))
             prefill_address = services[0].address

@@ -27,6 +27,7 @@ from common.model.llama import LlamaModel, PrefillBatch
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig, sample_batch
 from prefill_svc.kv_sender import InlineSender, KvSender
+from prefill_svc.prefix_cache import PrefixCache, PrefixCacheConfig
 from prefill_svc.send_budget import JobBytes, SendBudget
 
 
@@ -46,6 +47,8 @@ class PrefillJob:
     submitted: float = field(default_factory=time.monotonic)
     unsent: JobBytes = field(default_factory=JobBytes)
     sender: KvSender = field(default_factory=InlineSender)  # the plane the chunks leave by
+    cache_scope: bytes = b""  # who may share its cached prefix (decode's, SPEC.md D-80)
+    computed_tokens: int = 0  # leading tokens whose KV is already in its pages (cache hits)
 
 
 class _BatchCancelled(Exception):
@@ -54,8 +57,10 @@ class _BatchCancelled(Exception):
 
 class PrefillEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, layout: KvLayout, max_batch_tokens: int,
-                 log, counters: Counters, send_budget: SendBudget, metrics=None) -> None:
+                 log, counters: Counters, send_budget: SendBudget, metrics=None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
+        self.cache = prefix_cache or PrefixCache(pool, PrefixCacheConfig(enabled=False), counters)
         self._send_budget = send_budget
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.pool = pool
@@ -125,11 +130,12 @@ class PrefillEngine:
             n = len(job.token_ids)
             if batch and tokens + n > self.max_batch_tokens:
                 break
-            if not self.pool.allocator.can_allocate(n):
-                break
-            self._waiting.popleft()
-            try:
-                self.pool.allocator.allocate(job.request_id, n)
+            try:  # borrows the scope's cached prefix; evicts unread cached pages if short
+                cached = self.cache.reserve(job.request_id, job.token_ids, job.cache_scope)
+                if cached is None:
+                    break
+                job.computed_tokens = cached
+                self._waiting.popleft()
             except Exception as exc:  # e.g. a request id already in flight: abort this one only
                 self.log.exception("prefill_allocate_failed", request_id=job.request_id,
                                    error=str(exc))
@@ -138,10 +144,11 @@ class PrefillEngine:
                                                  f"could not reserve KV pages: {exc}",
                                                  job.nonce)))
                 job.emit(None)
+                self._waiting.popleft()
                 continue
             self.metrics.queued(time.monotonic() - job.submitted)
             batch.append(job)
-            tokens += n
+            tokens += n - job.computed_tokens
         return batch
 
     def _run_batch(self, batch: list[PrefillJob]) -> None:
@@ -152,11 +159,14 @@ class PrefillEngine:
             self.metrics.prefill(time.monotonic() - started,
                                  sum(len(j.token_ids) for j in batch), len(batch))
             self.counters.add("forward_passes")
+            self.counters.add("prefill_tokens_computed",
+                              sum(len(j.token_ids) - j.computed_tokens for j in batch))
             firsts = sample_batch(logits, [j.sampling for j in batch], [0] * len(batch))
             for job, first in zip(batch, firsts):
                 if not job.cancelled.is_set():
                     job.emit(frame_wire(commit_frame(job.request_id, len(job.token_ids),
                                                      job.chunks_sent, first, nonce=job.nonce)))
+                    self._keep_prefix(job)
                     self.counters.add("handoffs_completed")
                     self.metrics.handoff(time.monotonic() - job.submitted,
                                          len(job.token_ids) * self.layout.kv_bytes_per_token)
@@ -180,26 +190,44 @@ class PrefillEngine:
                     self.log.exception("prefill_emit_failed", request_id=job.request_id,
                                        error=str(exc))
 
+    def _keep_prefix(self, job: PrefillJob) -> None:
+        """job's prompt KV is complete: its whole pages join the cache of its scope."""
+        try:
+            self.cache.insert(job.request_id, job.token_ids, job.cache_scope)
+        except Exception as exc:  # the handoff is done; a cache failure only loses reuse
+            self.log.exception("prefix_cache_insert_failed", request_id=job.request_id,
+                               error=str(exc))
+
     def _forward(self, batch: list[PrefillJob]) -> torch.Tensor:
+        """Computes tokens [computed_tokens, n) of each job; with a cached prefix in any job,
+        the batch attends over the pages (context_lens = computed_tokens)."""
         device = self.model.device
         ids, positions, slots, cu = [], [], [], [0]
         tables = []
         for job in batch:
-            n = len(job.token_ids)
+            n, start = len(job.token_ids), job.computed_tokens
             pages = self.pool.allocator.page_table(job.request_id)
             if self.pool.config.check_owners:
+                self.pool.allocator.check_write(job.request_id, pages, start)
                 self.pool.allocator.check_write(job.request_id, pages, n - 1)
+                if start:
+                    self.pool.allocator.check_read(job.request_id, pages, start)
             tables.append(torch.tensor(pages, dtype=torch.int32, device=device))
-            ids += job.token_ids
-            positions += range(n)
-            slots += self.pool.slots_for(pages, 0, n)
-            cu.append(cu[-1] + n)
+            ids += job.token_ids[start:]
+            positions += range(start, n)
+            slots += self.pool.slots_for(pages, start, n)
+            cu.append(cu[-1] + n - start)
+        paged = any(job.computed_tokens for job in batch)
         prefill = PrefillBatch(
             token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-            max_seqlen=max(len(j.token_ids) for j in batch))
+            max_seqlen=max(len(j.token_ids) - j.computed_tokens for j in batch),
+            context_lens=torch.tensor([j.computed_tokens for j in batch], dtype=torch.int32,
+                                      device=device) if paged else None,
+            page_table=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
+            if paged else None)
 
         def on_layer_stored(layer: int) -> None:
             live = [(j, t) for j, t in zip(batch, tables) if not j.cancelled.is_set()]

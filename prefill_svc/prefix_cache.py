@@ -72,6 +72,16 @@ def page_keys(scope: bytes, token_ids: list[int], page_size: int) -> list[bytes]
     return keys
 
 
+def cache_gauges(cache: PrefixCache) -> dict:
+    """The cache's Prometheus gauges (ServiceMetrics `gauges`); its events are counters
+    (prefix_cache_hits, _misses, _hit_tokens, _unscoped, _pages_inserted, _pages_evicted)."""
+    return {"prefix_cache_pages": ("Pool pages the prefix cache owns (read by requests or "
+                                   "evictable)", lambda: cache.snapshot().pages),
+            "prefix_cache_scopes": ("Cache scopes with at least one cached page (pages are "
+                                    "never shared between scopes)",
+                                    lambda: cache.snapshot().scopes)}
+
+
 class PrefixCache:
     def __init__(self, pool: KvPool, config: PrefixCacheConfig, counters: Counters) -> None:
         self.pool = pool

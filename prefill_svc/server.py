@@ -23,6 +23,7 @@ from common.server.stats import StatsServicer
 from prefill_svc.engine import PrefillEngine
 from prefill_svc.send_budget import SendBudget
 from prefill_svc.handoff_leases import HandoffLeases
+from prefill_svc.prefix_cache import PrefixCache, PrefixCacheConfig, cache_gauges
 from prefill_svc.servicer import HandoffServicer, PlaneOffer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
@@ -47,15 +48,18 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     runtime = build_runtime(svc, log)
     refusals, counters = Counters(), Counters()
     allocator = runtime.pool.allocator
+    cache = PrefixCache(runtime.pool, PrefixCacheConfig(config.prefix_cache,
+                                                        config.prefix_cache_max_pages), counters)
     metrics = ServiceMetrics("prefill", lambda: allocator.num_pages,
-                             lambda: allocator.snapshot().pages_free,
+                             lambda: allocator.snapshot().pages_available,
                              lambda: engine.running_count(), lambda: engine.waiting_count(),
                              model_name=svc.model,
                              counters=counters,
                              limits=capacity_gauges(runtime.capacity,
-                                                    lambda: runtime.capacity.max_prompt_tokens))
+                                                    lambda: runtime.capacity.max_prompt_tokens),
+                             gauges=cache_gauges(cache))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
-                           log, counters, SendBudget(config.max_unsent_bytes), metrics)
+                           log, counters, SendBudget(config.max_unsent_bytes), metrics, cache)
     planes = plane_offer(config, log)
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,

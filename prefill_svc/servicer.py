@@ -113,7 +113,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
             sampling=SamplingConfig.from_proto(request.sampling, uuid.uuid4().int & (2**63 - 1)),
             chunk_tokens=self.layout.chunk_tokens(max_chunk),
             emit=lambda frame: loop.call_soon_threadsafe(frames.put_nowait, frame),
-            sender=self._sender(request))
+            sender=self._sender(request), cache_scope=request.cache_scope)
         completed = False
         try:
             yield frame_wire(header_frame(

@@ -27,7 +27,8 @@ class StatsServicer(stats_pb2_grpc.StatsServiceServicer):
     async def GetStats(self, request, context) -> stats_pb2.GetStatsResponse:
         snap = self.allocator.snapshot()
         pool = common_pb2.PoolStats(
-            page_size=snap.page_size, pages_total=snap.pages_total, pages_free=snap.pages_free,
+            page_size=snap.page_size, pages_total=snap.pages_total,
+            pages_free=snap.pages_available,  # cached pages no request reads count as free
             tokens_total=snap.tokens_total, max_prompt_tokens=self.max_prompt_tokens(),
             max_context_tokens=self.capacity.context_window, running_requests=self.running(),
             waiting_requests=self.waiting())

@@ -3,7 +3,7 @@ never the salt as sent; empty with neither."""
 
 from __future__ import annotations
 
-from decode_svc.cache_scope import bearer_identity, cache_scope, no_identity
+from decode_svc.cache_scope import bearer_identity, cache_scope, identity_of_calls
 
 
 def test_neither_identity_nor_salt_is_the_empty_scope():
@@ -30,4 +30,14 @@ def test_identity_needs_exactly_one_authorization_entry():
     assert bearer_identity([("authorization", "Bearer a"), ("authorization", "Bearer b")]) == b""
     assert bearer_identity([("authorization", b"Bearer a")]) == bearer_identity(
         [("authorization", "Bearer a")])
-    assert no_identity([("authorization", "Bearer a")]) == b""
+
+
+class _Context:
+    def invocation_metadata(self):
+        return [("authorization", "Bearer a")]
+
+
+def test_calls_have_an_identity_only_where_tokens_are_checked():
+    assert identity_of_calls(False)(_Context()) == b""  # an unchecked header is ignored
+    assert identity_of_calls(True)(_Context()) == bearer_identity(
+        [("authorization", "Bearer a")])
