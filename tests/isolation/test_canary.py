@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 
 PAGE, WINDOW, PREFILL_POOL, DECODE_POOL = 4, 128, 96, 256
 CLIENTS = 40
+TENANTS = 4
 MARKER = 7
 SYSTEM = [11, 12, 13, 14, 15]  # a prefix every tenant shares
 VOCAB = SPECS[0].vocab
@@ -50,6 +51,7 @@ class Job:
     prompt: tuple[int, ...]
     max_tokens: int
     cancel_after: int = 0
+    salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -87,12 +89,17 @@ def _plan(seed: int) -> list[list[Job]]:
         prompt = tenant_prompt(50)  # max_tokens: prompt plus max_tokens passes the window
         return Job(kind, tuple(prompt), WINDOW - len(prompt) + 2 + rng.randrange(0, 40))
 
-    return [[job("complete"), job(MIDDLE[i % len(MIDDLE)]), job("complete")]
-            for i in range(CLIENTS)]
+    def salted(i: int, job: Job) -> Job:
+        return Job(job.kind, job.prompt, job.max_tokens, job.cancel_after,
+                   f"tenant-{i % TENANTS}")
+
+    return [[salted(i, job("complete")), salted(i, job(MIDDLE[i % len(MIDDLE)])),
+             salted(i, job("complete"))] for i in range(CLIENTS)]
 
 
 def _run(channel: grpc.Channel, job: Job) -> Result:
-    request = generate_pb2.GenerateRequest(max_tokens=job.max_tokens, ignore_eos=True)
+    request = generate_pb2.GenerateRequest(max_tokens=job.max_tokens, ignore_eos=True,
+                                           cache_salt=job.salt)
     request.token_ids.ids.extend(job.prompt)
     call = generate_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=300)
     tokens: list[int] = []
@@ -109,14 +116,14 @@ def _run(channel: grpc.Channel, job: Job) -> Result:
     raise AssertionError(f"stream ended without a finished message after {tokens}")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=["--no-prefix-cache", "--prefix-cache"])
+def cluster(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("canary")
     path, _ = make_checkpoint(SPECS[0], root)
     prefill = start("prefill", root / "run", [
         "--model", str(path), *BOTH, "--pool-tokens", str(PREFILL_POOL),
-        "--allow-context-beyond-pool"], env={"KVH_TEST_CORRUPT_MARKER": str(MARKER)},
-        module=PATCHED)
+        "--allow-context-beyond-pool", request.param],
+        env={"KVH_TEST_CORRUPT_MARKER": str(MARKER)}, module=PATCHED)
     try:
         decode = start("decode", root / "run", [
             "--model", str(path), "--prefill", prefill.address, *BOTH,
@@ -125,6 +132,7 @@ def cluster(tmp_path_factory):
         prefill.stop()
         raise
     c = Cluster(prefill, decode)
+    c.prefix_cache = request.param == "--prefix-cache"
     yield c
     c.stop()
 
@@ -142,7 +150,8 @@ def test_canaries_stay_with_their_tenant_under_page_churn(cluster):
         alone = {}
         for job in jobs:
             if job.kind in ("complete", "cancel"):
-                solo = Job("complete", job.prompt, job.cancel_after or job.max_tokens)
+                solo = Job("complete", job.prompt, job.cancel_after or job.max_tokens,
+                           salt=job.salt)
                 alone[job] = _run(channel, solo)
                 assert alone[job].code == C.OK, alone[job]
     cluster.assert_pools_at_baseline()
@@ -189,3 +198,9 @@ def test_canaries_stay_with_their_tenant_under_page_churn(cluster):
     for event in ("page_ownership_violation", "decode_step_failed", "engine_command_failed"):
         assert event not in log
     assert "prefill_failed" not in cluster.prefill.log_text()
+    counters = cluster.prefill.stats().counters
+    if cluster.prefix_cache:  # it was used, and evicted under the churn
+        assert counters["prefix_cache_hits"] > CLIENTS
+        assert counters["prefix_cache_pages_evicted"] > 0
+    else:
+        assert counters.get("prefix_cache_hits", 0) == 0
