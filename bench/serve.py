@@ -4,12 +4,18 @@ disaggregated pair and for the same engine in one process (decode --local-prefil
     kvhandoff bench serve [--modes disaggregated,local | --target HOST:PORT]
         [--num-prompts 64] [--request-rate inf|R[,R...]] [--max-concurrency N[,N...]]
         [--input-len N|LOW:HIGH] [--output-len N|LOW:HIGH] [--warmup-requests 2]
+        [--shared-prefix-len N] [--cache-salt SALT]
         [--slo-ttft-ms MS] [--slo-tpot-ms MS] [--json OUT] [--plot-dir DIR]
 
 It starts the services itself (processes on 127.0.0.1, `--model`, pool and page flags shared
 by every service) unless --target names a running decode. Every mode gets the same requests
 (same seed) and the same loads. Prompts are random token ids; generation ignores end of
 sequence so that output lengths are the ones drawn.
+
+The shared-prefix workload: `--shared-prefix-len 1024 --input-len 32 --modes cache-off,cache-on`
+gives every prompt the same 1024-token system prompt before its own 32 tokens, all under one
+`--cache-salt`, and compares prefill's prefix cache off and on side by side. The warm-up
+requests carry another salt, so the measured cache starts cold.
 """
 
 from __future__ import annotations
@@ -62,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
                    help="prompt tokens: N, or LOW-HIGH drawn uniformly")
     p.add_argument("--output-len", type=LengthRange.parse, default=LengthRange(64, 64),
                    help="generated tokens: N, or LOW-HIGH drawn uniformly")
+    p.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="tokens of a prefix every prompt starts with (before --input-len)")
+    p.add_argument("--cache-salt", default="bench",
+                   help="cache_salt of every measured request (one tenant)")
     p.add_argument("--warmup-requests", type=int, default=2,
                    help="untimed requests before each mode")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and arrivals")
@@ -117,9 +127,10 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser().error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     vocab = args.vocab_size or model_vocab_size(args.model)
-    specs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed)
+    specs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed,
+                          args.shared_prefix_len, args.cache_salt)
     warmups = make_requests(args.warmup_requests, args.input_len, LengthRange(4, 4), vocab,
-                            args.seed + 1)
+                            args.seed + 1, args.shared_prefix_len, args.cache_salt + "-warm-up")
     loads = [(rate, c) for rate in args.request_rate for c in args.max_concurrency]
     flags = ["--model", args.model, "--page-size", str(args.page_size), "--pool-tokens",
              str(args.pool_tokens), "--max-context-tokens", str(args.max_context_tokens),
@@ -140,12 +151,14 @@ def main(argv: list[str]) -> int:
             finally:
                 deployment.stop()
     config = {"modes": modes, "model": args.model, "num_prompts": args.num_prompts,
+              "shared_prefix_len": args.shared_prefix_len, "cache_salt": args.cache_salt,
               "input_len": str(args.input_len), "output_len": str(args.output_len),
               "loads": [_load_name(r, c) for r, c in loads], "slo_ttft_ms": args.slo_ttft_ms,
               "slo_tpot_ms": args.slo_tpot_ms, "torch_threads": args.torch_threads,
               "service_flags": flags, "decode_args": args.decode_args, "seed": args.seed,
               "started": started}
-    print(f"\n{args.num_prompts} prompts, input {args.input_len} tokens, output "
+    shared = f"a shared prefix of {args.shared_prefix_len} and " if args.shared_prefix_len else ""
+    print(f"\n{args.num_prompts} prompts, input {shared}{args.input_len} tokens, output "
           f"{args.output_len} tokens, model {args.model}, {args.torch_threads} torch threads "
           f"per service")
     for load in dict.fromkeys(_load_name(r, c) for r, c in loads):

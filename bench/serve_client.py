@@ -42,6 +42,7 @@ class LengthRange:
 class RequestSpec:
     token_ids: list[int]
     max_tokens: int
+    cache_salt: str = ""
 
 
 @dataclass
@@ -83,11 +84,16 @@ class RequestResult:
 
 
 def make_requests(count: int, input_len: LengthRange, output_len: LengthRange, vocab_size: int,
-                  seed: int) -> list[RequestSpec]:
+                  seed: int, shared_prefix_len: int = 0, cache_salt: str = ""
+                  ) -> list[RequestSpec]:
+    """Random prompts; with shared_prefix_len, every prompt starts with the same
+    shared_prefix_len tokens (a system prompt) followed by its own input_len tokens."""
     rng = random.Random(seed)
     low_id = min(3, vocab_size - 1)
-    return [RequestSpec([rng.randrange(low_id, vocab_size) for _ in range(input_len.draw(rng))],
-                        output_len.draw(rng)) for _ in range(count)]
+    prefix = [rng.randrange(low_id, vocab_size) for _ in range(shared_prefix_len)]
+    return [RequestSpec(prefix + [rng.randrange(low_id, vocab_size)
+                                  for _ in range(input_len.draw(rng))],
+                        output_len.draw(rng), cache_salt) for _ in range(count)]
 
 
 async def run_one(stub: generate_pb2_grpc.GenerationServiceStub, spec: RequestSpec,
@@ -97,7 +103,7 @@ async def run_one(stub: generate_pb2_grpc.GenerationServiceStub, spec: RequestSp
     result = RequestResult(len(spec.token_ids), spec.max_tokens)
     request = generate_pb2.GenerateRequest(
         token_ids=generate_pb2.TokenIds(ids=spec.token_ids), max_tokens=spec.max_tokens,
-        ignore_eos=True)
+        ignore_eos=True, cache_salt=spec.cache_salt)
     started = time.perf_counter()
     result.sent_at = started
     try:

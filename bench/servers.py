@@ -13,7 +13,10 @@ from pathlib import Path
 from common.server.launch import ServiceProcess, launch, stop_processes
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("disaggregated", "local")
+MODES = ("disaggregated", "local", "cache-off", "cache-on")
+# disaggregated modes whose prefill runs with these flags (the prefix cache off and on)
+PREFILL_FLAGS = {"disaggregated": [], "cache-off": ["--no-prefix-cache"],
+                 "cache-on": ["--prefix-cache"]}
 
 
 @dataclass
@@ -46,7 +49,8 @@ def _start(role: str, flags: list[str], workdir: Path, env: dict, timeout: float
 
 def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_threads: int,
                      decode_flags: list[str] = (), timeout: float = 300.0) -> Deployment:
-    """Starts `mode` ('disaggregated' or 'local') and waits until decode reports SERVING."""
+    """Starts `mode` (one of MODES: 'local' is decode --local-prefill, the others a prefill
+    and a decode) and waits until decode reports SERVING."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
     workdir = workdir / mode
@@ -55,8 +59,9 @@ def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_t
     deployment = Deployment(mode, "")
     try:
         decode_extra = list(decode_flags)
-        if mode == "disaggregated":
-            prefill = _start("prefill", service_flags, workdir, env, timeout)
+        if mode in PREFILL_FLAGS:
+            prefill = _start("prefill", [*service_flags, *PREFILL_FLAGS[mode]], workdir, env,
+                             timeout)
             deployment.services.append(prefill)
             decode_extra += ["--prefill", prefill.address]
         else:
