@@ -125,7 +125,8 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
                 yield frame
                 self.engine.frame_sent(job, len(frame))
             completed = True
-            log.info("prefill_streamed", chunks=job.chunks_sent, plane=job.sender.plane)
+            log.info("prefill_streamed", chunks=job.chunks_sent, plane=job.sender.plane,
+                     cached_tokens=job.computed_tokens)
         finally:
             if not job.cancelled.is_set():
                 job.cancelled.set()  # no-op once the engine is done; stops work when decode left
