@@ -6,6 +6,7 @@ the tokens up to it: the KV of another prompt breaks this)."""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -89,3 +90,31 @@ async def kv_layers_distinct(t: PrefillTarget) -> list[str]:
     n = max(content_prompt_lengths(t))
     found, kv = await _served_kv(t, t.channel, t.info, "kv_layers_distinct", t.prompt(n, 41))
     return found or copied_layers(kv, _tolerance(t))
+
+
+async def kv_cached_prefix_consistent(t: PrefillTarget) -> list[str]:
+    """P-81: under one (fresh, random) cache scope a prompt, then a sibling sharing only its
+    first page, then the prompt again (a prefill with a prefix cache serves the last two partly
+    from it); the sibling once more under a scope nobody used (computed fresh). Every handoff
+    well formed; the cached ones' KV equal the fresh ones' within the tolerance. A prefill
+    without a cache passes trivially."""
+    n, page = max(content_prompt_lengths(t)), max(1, int(t.info.page_size))
+    if n <= 2 * page:
+        raise NotApplicable("the prompt limit is two pages")
+    prompt = t.prompt(n, 43)
+    sibling = prompt[:page] + t.prompt(n - page, 44)
+    scope, fresh = secrets.token_bytes(16), secrets.token_bytes(16)
+    runs = [("kv_cache_first", prompt, scope), ("kv_cache_sibling", sibling, scope),
+            ("kv_cache_again", prompt, scope), ("kv_cache_sibling_fresh", sibling, fresh)]
+    kvs = []
+    for case_id, tokens, cache_scope in runs:
+        request = t.request(case_id, tokens, cache_scope=cache_scope)
+        received = await read_handoff(t.channel, request, t.timeout)
+        found = check_handoff(request, t.info, received)
+        if found:
+            return [f"{case_id}: {p}" for p in found]
+        kvs.append(handoff_kv(received, t.info.layout, len(tokens)))
+    return [f"{case_id}: {p}" for case_id, (a, b) in (
+        ("kv_cache_sibling", (kvs[1], kvs[3])), ("kv_cache_again", (kvs[2], kvs[0])))
+        for p in compare_to_reference(a, b, _tolerance(t), "the same prompt's KV computed "
+                                      "without a cache hit")]

@@ -21,6 +21,7 @@ from conformance.pool import PoolWatch
 from conformance.prefill_checks import check_handoff, check_rejection
 from conformance.prefill_content import (
     ReferencePrefill,
+    kv_cached_prefix_consistent,
     kv_layers_distinct,
     kv_matches_reference,
     kv_prefix_consistent,
@@ -216,6 +217,9 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
              "(e.g. layer 0's KV sent for every layer)", kv_layers_distinct),
         Case("kv_prefix_consistent", "P-17", "MUST", "the KV of a prompt's first half equal "
              "the KV of that half alone, within the tolerance", kv_prefix_consistent),
+        Case("kv_cached_prefix_consistent", "P-81", "MUST", "under one cache scope a prompt, "
+             "a sibling sharing its first page, the prompt again: their KV equal the KV "
+             "computed under a fresh scope", kv_cached_prefix_consistent),
         Case("concurrent_handoffs", "P-14", "MUST", f"{CONCURRENT_HANDOFFS} concurrent handoffs "
              "are each well formed, with their own request id", _concurrent),
         Case("final_pool_idle", "G-07", "MUST", "after every case the pool is as before the first",

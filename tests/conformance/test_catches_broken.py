@@ -61,6 +61,7 @@ PREFILL_VARIANTS = {
     # reference nor, without one, the KV of its own prompt's first half
     "prefill_kv_of_another_prompt": ({"kv_matches_reference", "kv_prefix_consistent"},
                                      "kv_layers_distinct"),
+    "prefill_cache_keyed_by_position": ({"kv_cached_prefix_consistent"}, "kv_prefix_consistent"),
 }
 
 

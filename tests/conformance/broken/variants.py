@@ -308,6 +308,23 @@ def prefill_placeholder_over_length() -> None:
     _patch(_servicer(), "Prefill", make)
 
 
+def prefill_cache_keyed_by_position() -> None:
+    """P-81 broken: the prefix cache keys a page on its scope and index only, not on the
+    tokens before and in it, so a prompt sharing only the first page borrows the other pages
+    of another prompt."""
+    import hashlib
+
+    from prefill_svc import prefix_cache
+
+    def page_keys(scope, token_ids, page_size):
+        return [hashlib.sha256(scope + i.to_bytes(4, "big")).digest()
+                for i in range(len(token_ids) // page_size)]
+
+    prefix_cache.page_keys = page_keys
+    _patch(prefix_cache.PrefixCache, "_matches", lambda original: staticmethod(
+        lambda entry, scope, parent, tokens: entry.scope == scope))
+
+
 def prefill_drops_a_chunk() -> None:
     """P-05 broken: the last chunk of layer 0 is never sent; numbers and counts stay
     consistent, so only the coverage shows it."""
@@ -413,6 +430,7 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "prefill_chunks_after_rejected": ("prefill", prefill_chunks_after_rejected),
     "prefill_placeholder_over_length": ("prefill", prefill_placeholder_over_length),
     "prefill_drops_a_chunk": ("prefill", prefill_drops_a_chunk),
+    "prefill_cache_keyed_by_position": ("prefill", prefill_cache_keyed_by_position),
     "decode_ignores_nonce": ("decode", decode_ignores_nonce),
     "decode_ignores_digest": ("decode", decode_ignores_digest),
     "decode_skips_frame_checksums": ("decode", decode_skips_frame_checksums),
