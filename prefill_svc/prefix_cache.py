@@ -191,37 +191,47 @@ class PrefixCache:
         return entry.scope == scope and entry.parent == parent and entry.tokens == tuple(tokens)
 
     def _evictable(self, keep: set[int]) -> int:
-        return sum(1 for e in self._entries.values()
-                   if e.page not in keep and self.allocator.refcount(e.page) == 0)
+        """Entries `_evict` can take: those with no read or kept page at or below them (a
+        request's new pages may hang under another request's unread ones)."""
+        pinned: set[bytes] = set()
+        for key, entry in self._entries.items():
+            if entry.page in keep or self.allocator.refcount(entry.page):
+                while key is not None and key not in pinned:
+                    pinned.add(key)
+                    key = self._entries[key].parent
+        return len(self._entries) - len(pinned)
 
     def _evict(self, count: int, keep: set[int]) -> int:
         """Evicts up to count unread entries, least recently used leaves first (a leaf's parent
-        follows it when that leaves the parent an unread leaf); returns how many."""
-        victims: list[bytes] = []
+        follows it when that leaves the parent an unread leaf), their pages poisoned or
+        scrubbed in one fill; returns how many."""
+        pages: list[int] = []
 
         def unread_leaf(key: bytes) -> bool:
             e = self._entries[key]
             return (e.children == 0 and e.page not in keep
                     and self.allocator.refcount(e.page) == 0)
 
-        while len(victims) < count:
-            before = len(victims)
+        while len(pages) < count:
+            before = len(pages)
             for key in list(self._entries):
-                if len(victims) >= count:
+                if len(pages) >= count:
                     break
-                if key not in self._entries or not unread_leaf(key):
-                    continue
-                while key is not None and len(victims) < count and unread_leaf(key):
-                    victims.append(key)
-                    key = self._drop(key)
-            if len(victims) == before:
+                while (key is not None and key in self._entries and len(pages) < count
+                       and unread_leaf(key)):
+                    entry = self._drop(key)
+                    pages.append(entry.page)
+                    key = entry.parent
+            if len(pages) == before:
                 break
-        return len(victims)
+        if pages:
+            self.pool.evict(pages)
+            self.counters.add("prefix_cache_pages_evicted", len(pages))
+        return len(pages)
 
-    def _drop(self, key: bytes) -> bytes | None:
-        """Removes one entry and evicts its page (poisoned or scrubbed); returns its parent."""
+    def _drop(self, key: bytes) -> _Entry:
+        """Removes one entry (its page is evicted by the caller)."""
         entry = self._entries.pop(key)
-        self.pool.evict([entry.page])
         if entry.parent is not None:
             self._entries[entry.parent].children -= 1
         left = self._scope_pages[entry.scope] - 1
@@ -229,5 +239,4 @@ class PrefixCache:
             self._scope_pages[entry.scope] = left
         else:
             del self._scope_pages[entry.scope]
-        self.counters.add("prefix_cache_pages_evicted")
-        return entry.parent
+        return entry

@@ -161,3 +161,24 @@ def test_random_traffic_keeps_invariants_and_scopes_apart(seed):
         cache.pool.release(owner)
     snap = cache.allocator.snapshot()
     assert snap.pages_available == snap.pages_total and snap.pages_cached == cache.snapshot().pages
+
+
+def test_an_unread_parent_of_a_read_page_is_not_counted_as_evictable():
+    """S computes a prefix while R (same scope, longer prompt) runs; S's pages are cached, then
+    R's next page joins as their child and R still reads it: S's unread pages cannot go (they
+    are not leaves), so an admission that would need them waits instead of failing."""
+    cache = _cache(pages=10)
+    short, long = list(range(10, 19)), list(range(10, 19)) + [30, 31, 32, 33]
+    assert cache.reserve("r", long, b"t") == 0  # 4 pages
+    assert cache.reserve("s", short, b"t") == 0  # 3 pages
+    cache.insert("s", short, b"t")
+    cache.pool.release("s")
+    assert cache.insert("r", long, b"t") == 1  # its third page, a child of s's second
+    assert cache.allocator.snapshot().pages_free == 4
+    before = cache.allocator.snapshot()
+    assert cache.reserve("q", list(range(50, 74)), b"u") is None  # 6 pages: 4 free, 0 evictable
+    assert cache.allocator.snapshot() == before and not cache.allocator.holds("q")
+    cache.pool.release("r")
+    assert cache.reserve("q", list(range(50, 74)), b"u") == 0  # now r's leaf, then s's pages
+    cache.check_invariants()
+    cache.allocator.check_invariants()
