@@ -44,7 +44,7 @@ class RunningPrefill:
 async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     svc = config.service
     log = make_logger("prefill")
-    runtime = build_runtime(svc, log)
+    runtime = build_runtime(svc, log, max_pass_tokens=config.max_batch_tokens)
     refusals, counters = Counters(), Counters()
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("prefill", lambda: allocator.num_pages,
@@ -55,7 +55,8 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
                              limits=capacity_gauges(runtime.capacity,
                                                     lambda: runtime.capacity.max_prompt_tokens))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
-                           log, counters, SendBudget(config.max_unsent_bytes), metrics)
+                           log, counters, SendBudget(config.max_unsent_bytes), metrics,
+                           prefill_chunk_tokens=config.prefill_chunk_tokens)
     planes = plane_offer(config, log)
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,
