@@ -65,7 +65,10 @@ ROLE_HELP = {
                        "releases them",
     "data_plane": "how KV travels from prefill: inline, shared-memory, or auto (the fastest "
                   "both sides offer, else inline)",
-    "max_batch_tokens": "prompt tokens in one prefill forward pass",
+    "max_batch_tokens": "prompt tokens in one prefill forward pass (all prompts in it); the "
+                        "activation peak measured at start-up is a pass of this many",
+    "prefill_chunk_tokens": "chunked prefill: the most tokens of one prompt a forward pass "
+                            "computes; longer prompts take several passes",
     "prefix_cache": "keep whole pages of prompt KV for later requests of the same cache scope "
                     "(the caller's identity and cache_salt; a request with neither shares "
                     "with nobody)",
@@ -100,6 +103,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "port": (0, 65535), "metrics_port": (-1, 65535), "page_size": (1, None),
     "pool_tokens": (0, None), "memory_fraction": (0, 1), "kv_cache_bytes": (0, None),
     "max_context_tokens": (0, None), "grace_seconds": (0, None), "max_batch_tokens": (1, None),
+    "prefill_chunk_tokens": (1, None),
     "max_unsent_bytes": (1, None),
     "max_batch": (1, None), "max_waiting": (0, None), "default_max_tokens": (1, None),
     "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),

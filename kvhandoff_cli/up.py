@@ -111,6 +111,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default="auto", help="auto, triton or torch")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    p.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                   help="prefill's chunk: the most tokens of one prompt per forward pass "
+                        "(default: prefill's own)")
     p.add_argument("--prefill-args", default="", help="extra flags for prefill, one string")
     p.add_argument("--decode-args", default="", help="extra flags for decode, one string")
     p.add_argument("--data-plane", default="auto", choices=("auto", "inline", "shared-memory"),
@@ -121,6 +124,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds each service may take to start")
     return p
+
+
+def _chunk_flag(tokens: int | None) -> list[str]:
+    return [] if tokens is None else ["--prefill-chunk-tokens", str(tokens)]
 
 
 def _metrics_ports(port: int) -> tuple[int, int]:
@@ -168,7 +175,7 @@ def up(argv: list[str]) -> int:
             services.append(launch(
                 "prefill", [*cli, "prefill", *common, "--port", str(args.prefill_port),
                             "--pool-tokens", str(args.prefill_pool_tokens), "--metrics-port",
-                            str(prefill_metrics),
+                            str(prefill_metrics), *_chunk_flag(args.prefill_chunk_tokens),
                             "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
                             *shlex.split(args.prefill_args)],
                 Path(tmp) / "prefill.port", args.start_timeout, host=args.host,

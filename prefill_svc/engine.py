@@ -1,10 +1,18 @@
-"""The prefill engine thread: owns the model and the pool, runs batches of prompts, and emits
-each layer's KV as chunks as soon as that layer is stored.
+"""The prefill engine thread: owns the model and the pool, runs forward passes over chunks of
+prompts (chunked prefill, see pass_plan), and emits each layer's KV as frames as soon as that
+layer of a chunk is stored.
 
-Invariants: a job's pages are allocated before its forward pass and freed after its commit or
-abort, whatever happens; a cancelled job gets no more frames; compute never runs on the event
-loop (servicers only call `submit`). Frames leave this thread already serialized (the protobuf
-encoding of a PrefillResponse, crc32c included), so the event loop only hands bytes to gRPC.
+A job's prompt is computed over one or more passes of at most ``prefill_chunk_tokens`` of its
+tokens each; each chunk's queries attend to the job's pages written so far and causally within
+the chunk. Frames go out chunk-major, layer-minor (SPEC section 3 lets chunks come in any order
+that covers every (layer, token) once); the commit follows the last chunk, its first token
+sampled from the last chunk's logits.
+
+Invariants: a job's pages for its whole prompt are allocated at admission, before its first
+pass, and freed after its commit or abort, whatever happens; a cancelled job gets no more
+frames; compute never runs on the event loop (servicers only call `submit`). Frames leave this
+thread already serialized (the protobuf encoding of a PrefillResponse, crc32c included), so
+the event loop only hands bytes to gRPC.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from common.model.llama import LlamaModel, PrefillBatch
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig, sample_batch
 from prefill_svc.kv_sender import InlineSender, KvSender
+from prefill_svc.pass_plan import ChunkSlice, next_slice, plan_running
 from prefill_svc.prefix_cache import PrefixCache, PrefixCacheConfig
 from prefill_svc.send_budget import JobBytes, SendBudget
 
@@ -34,7 +43,14 @@ from prefill_svc.send_budget import JobBytes, SendBudget
 @dataclass
 class PrefillJob:
     """emit(frame) is thread-safe; frame is a serialized PrefillResponse; emit(None) ends the
-    job's stream."""
+    job's stream. chunk_tokens is the most tokens of one KV frame (from max_chunk_bytes), not
+    the prefill chunk.
+
+    Progress: tokens [0, computed_tokens) have their KV in the job's pages, and tokens
+    [0, streamed_tokens) have had their frames emitted for every layer. A job may be submitted
+    with computed_tokens > 0 (a prefix whose KV its pages already hold, e.g. a prefix-cache
+    hit); it must stay below the prompt length (the last token's logits are computed), and
+    those tokens' frames go out with the job's first chunk."""
 
     request_id: str
     token_ids: list[int]
@@ -47,30 +63,40 @@ class PrefillJob:
     submitted: float = field(default_factory=time.monotonic)
     unsent: JobBytes = field(default_factory=JobBytes)
     sender: KvSender = field(default_factory=InlineSender)  # the plane the chunks leave by
+    computed_tokens: int = 0
+    streamed_tokens: int = 0
     cache_scope: bytes = b""  # who may share its cached prefix (decode's, SPEC.md D-80)
-    computed_tokens: int = 0  # leading tokens whose KV is already in its pages (cache hits)
 
 
-class _BatchCancelled(Exception):
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048  # PrefillConfig.prefill_chunk_tokens; see its comment
+
+
+class _PassCancelled(Exception):
     pass
 
 
 class PrefillEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, layout: KvLayout, max_batch_tokens: int,
                  log, counters: Counters, send_budget: SendBudget, metrics=None,
+                 prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
                  prefix_cache: PrefixCache | None = None) -> None:
+        if max_batch_tokens < 1 or prefill_chunk_tokens < 1:
+            raise ValueError(f"max_batch_tokens {max_batch_tokens} and prefill_chunk_tokens "
+                             f"{prefill_chunk_tokens} must be >= 1")
         self.model = model
         self.cache = prefix_cache or PrefixCache(pool, PrefixCacheConfig(enabled=False), counters)
         self._send_budget = send_budget
         self.metrics = metrics if metrics is not None else NullMetrics()
         self.pool = pool
         self.layout = layout
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_tokens = max_batch_tokens  # tokens of one forward pass, all jobs
+        self.chunk_tokens = min(prefill_chunk_tokens, max_batch_tokens)  # of one job per pass
         self.log = log
         self.counters = counters
         self._inbox: queue.Queue[PrefillJob | None] = queue.Queue()
         self._waiting: deque[PrefillJob] = deque()
-        self._running = 0  # jobs in the batch being computed; written by the engine thread only
+        self._jobs: list[PrefillJob] = []  # admitted (pages held), in admission order
+        self._running = 0  # len(self._jobs), for other threads; written by the engine thread
         self._thread = threading.Thread(target=self._run, name="prefill-engine", daemon=True)
 
     def start(self) -> None:
@@ -87,7 +113,8 @@ class PrefillEngine:
         return len(self._waiting) + self._inbox.qsize()
 
     def running_count(self) -> int:
-        """Requests in the batch being computed now (their pages are held); any thread."""
+        """Requests admitted and not yet done (their pages are held, their prompt is being
+        computed over one or more passes); any thread."""
         return self._running
 
     def frame_sent(self, job: PrefillJob, nbytes: int) -> None:
@@ -101,94 +128,126 @@ class PrefillEngine:
         self._send_budget.close(job.unsent)
 
     def _run(self) -> None:
+        stalled = False  # last round planned nothing: wait for news instead of spinning
         while True:
-            block = not self._waiting
+            idle = not self._waiting and not self._jobs
             try:
-                item = self._inbox.get(block=block, timeout=None if block else 0.0)
+                timeout = None if idle else (0.01 if stalled else 0.0)
+                item = self._inbox.get(block=idle or stalled, timeout=timeout)
                 if item is None:
                     return
                 self._waiting.append(item)
-                continue  # drain the inbox before forming a batch
+                stalled = False
+                continue  # drain the inbox before planning a pass
             except queue.Empty:
                 pass
             try:
-                batch = self._take_batch()
-                if batch:
-                    self._run_batch(batch)
-            except Exception as exc:  # keep the engine alive; _run_batch already freed pages
+                plan = self._plan_pass()
+                stalled = not plan
+                if plan:
+                    self._run_pass(plan)
+            except Exception as exc:  # keep the engine alive; _run_pass already freed pages
                 self.log.exception("prefill_engine_error", error=str(exc))
 
-    def _take_batch(self) -> list[PrefillJob]:
-        batch: list[PrefillJob] = []
-        tokens = 0
-        while self._waiting:
+    def _plan_pass(self) -> list[ChunkSlice]:
+        """The running jobs' next chunks, then new jobs admitted while the budget lasts."""
+        self._finish_cancelled()
+        plan = plan_running(self._jobs, self.max_batch_tokens, self.chunk_tokens)
+        left = self.max_batch_tokens - sum(s.num_tokens for s in plan)
+        while self._waiting and left > 0:
             job = self._waiting[0]
             if job.cancelled.is_set():
                 self._waiting.popleft()
                 job.emit(None)
                 continue
-            n = len(job.token_ids)
-            if batch and tokens + n > self.max_batch_tokens:
+            admitted = self._admit(job)
+            if admitted is None:  # the pool cannot hold it now
                 break
-            try:  # borrows the scope's cached prefix; evicts unread cached pages if short
-                cached = self.cache.reserve(job.request_id, job.token_ids, job.cache_scope)
-                if cached is None:
-                    break
-                job.computed_tokens = cached
-                self._waiting.popleft()
-            except Exception as exc:  # e.g. a request id already in flight: abort this one only
-                self.log.exception("prefill_allocate_failed", request_id=job.request_id,
-                                   error=str(exc))
-                job.emit(frame_wire(commit_frame(job.request_id, n, 0, 0,
-                                                 handoff_pb2.HANDOFF_STATUS_ABORTED,
-                                                 f"could not reserve KV pages: {exc}",
-                                                 job.nonce)))
-                job.emit(None)
-                self._waiting.popleft()
-                continue
-            self.metrics.queued(time.monotonic() - job.submitted)
-            batch.append(job)
-            tokens += n - job.computed_tokens
-        return batch
+            self._waiting.popleft()
+            if admitted:
+                piece = next_slice(job, left, self.chunk_tokens)
+                plan.append(piece)
+                left -= piece.num_tokens
+        return plan
 
-    def _run_batch(self, batch: list[PrefillJob]) -> None:
-        self._running = len(batch)
+    def _admit(self, job: PrefillJob) -> bool | None:
+        """Reserves pages for job's whole prompt and makes it running; on failure the job is
+        aborted and dropped; None (nothing changed) when the pool cannot hold it now."""
+        n = len(job.token_ids)
+        try:
+            if not 0 <= job.computed_tokens < n:
+                raise ValueError(f"computed_tokens {job.computed_tokens} of a {n}-token prompt")
+            if self._reserve(job) is False:
+                return None
+        except Exception as exc:  # e.g. a request id already in flight: abort this one only
+            self.log.exception("prefill_allocate_failed", request_id=job.request_id,
+                               error=str(exc))
+            job.emit(frame_wire(commit_frame(job.request_id, n, 0, 0,
+                                             handoff_pb2.HANDOFF_STATUS_ABORTED,
+                                             f"could not reserve KV pages: {exc}", job.nonce)))
+            job.emit(None)
+            return False
+        self.metrics.queued(time.monotonic() - job.submitted)
+        self._jobs.append(job)
+        self._running = len(self._jobs)
+        return True
+
+    def _reserve(self, job: PrefillJob) -> bool:
+        """Allocates the pages of job's whole prompt, borrowing the cached prefix of its scope
+        (job.computed_tokens then counts its tokens, whose frames go out with the first chunk)
+        and evicting unread cached pages when short; False, changing nothing, when the pool
+        cannot hold it now; raises, changing nothing, when it never can."""
+        preset = job.computed_tokens  # a prefix the submitter put in place: no lookup then
+        cached = self.cache.reserve(job.request_id, job.token_ids,
+                                    b"" if preset else job.cache_scope)
+        if cached is None:
+            return False
+        job.computed_tokens = max(preset, cached)
+        return True
+
+    def _run_pass(self, plan: list[ChunkSlice]) -> None:
+        jobs = [s.job for s in plan]
         try:
             started = time.monotonic()
-            logits = self._forward(batch)
-            self.metrics.prefill(time.monotonic() - started,
-                                 sum(len(j.token_ids) for j in batch), len(batch))
+            logits = self._forward(plan)  # [len(plan), vocab]
+            self.metrics.prefill(time.monotonic() - started, sum(s.num_tokens for s in plan),
+                                 len(plan))
             self.counters.add("forward_passes")
-            self.counters.add("prefill_tokens_computed",
-                              sum(len(j.token_ids) - j.computed_tokens for j in batch))
-            firsts = sample_batch(logits, [j.sampling for j in batch], [0] * len(batch))
-            for job, first in zip(batch, firsts):
-                if not job.cancelled.is_set():
-                    job.emit(frame_wire(commit_frame(job.request_id, len(job.token_ids),
-                                                     job.chunks_sent, first, nonce=job.nonce)))
-                    self._keep_prefix(job)
-                    self.counters.add("handoffs_completed")
-                    self.metrics.handoff(time.monotonic() - job.submitted,
-                                         len(job.token_ids) * self.layout.kv_bytes_per_token)
-        except _BatchCancelled:
-            self.log.info("prefill_cancelled", request_ids=[j.request_id for j in batch])
+            self.counters.add("prefill_tokens_computed", sum(s.num_tokens for s in plan))
+            for piece in plan:
+                piece.job.computed_tokens = piece.job.streamed_tokens = piece.end
+            done = [(row, s.job) for row, s in enumerate(plan) if s.is_last]
+            if done:
+                rows = torch.tensor([row for row, _ in done], device=logits.device)
+                firsts = sample_batch(logits[rows], [j.sampling for _, j in done],
+                                      [0] * len(done))
+                for (_, job), first in zip(done, firsts):
+                    self._commit(job, first)
+                    self._finish(job)
+        except _PassCancelled:
+            self.log.info("prefill_cancelled", request_ids=[j.request_id for j in jobs])
         except Exception as exc:  # the stream must end with ABORTED, never with partial silence
             self.log.exception("prefill_failed", error=str(exc))
-            for job in batch:
-                if not job.cancelled.is_set():
-                    job.emit(frame_wire(commit_frame(
-                        job.request_id, len(job.token_ids), job.chunks_sent, 0,
-                        handoff_pb2.HANDOFF_STATUS_ABORTED, f"prefill failed: {exc}",
-                        job.nonce)))
+            for job in jobs:
+                if job in self._jobs:
+                    if not job.cancelled.is_set():
+                        job.emit(frame_wire(commit_frame(
+                            job.request_id, len(job.token_ids), job.chunks_sent, 0,
+                            handoff_pb2.HANDOFF_STATUS_ABORTED, f"prefill failed: {exc}",
+                            job.nonce)))
+                    self._finish(job)
         finally:
-            self._running = 0
-            for job in batch:
-                self.pool.release(job.request_id)
-                try:
-                    job.emit(None)
-                except Exception as exc:  # an emit that fails must not keep other jobs' pages
-                    self.log.exception("prefill_emit_failed", request_id=job.request_id,
-                                       error=str(exc))
+            self._finish_cancelled()
+
+    def _commit(self, job: PrefillJob, first: int) -> None:
+        if job.cancelled.is_set():
+            return
+        job.emit(frame_wire(commit_frame(job.request_id, len(job.token_ids), job.chunks_sent,
+                                         first, nonce=job.nonce)))
+        self._keep_prefix(job)
+        self.counters.add("handoffs_completed")
+        self.metrics.handoff(time.monotonic() - job.submitted,
+                             len(job.token_ids) * self.layout.kv_bytes_per_token)
 
     def _keep_prefix(self, job: PrefillJob) -> None:
         """job's prompt KV is complete: its whole pages join the cache of its scope."""
@@ -198,57 +257,71 @@ class PrefillEngine:
             self.log.exception("prefix_cache_insert_failed", request_id=job.request_id,
                                error=str(exc))
 
-    def _forward(self, batch: list[PrefillJob]) -> torch.Tensor:
-        """Computes tokens [computed_tokens, n) of each job; with a cached prefix in any job,
-        the batch attends over the pages (context_lens = computed_tokens)."""
+    def _finish_cancelled(self) -> None:
+        for job in [j for j in self._jobs if j.cancelled.is_set()]:
+            self._finish(job)
+
+    def _finish(self, job: PrefillJob) -> None:
+        """job leaves the engine: its pages are freed and its stream ends."""
+        self._jobs.remove(job)
+        self._running = len(self._jobs)
+        self.pool.release(job.request_id)
+        try:
+            job.emit(None)
+        except Exception as exc:  # an emit that fails must not keep other jobs' pages
+            self.log.exception("prefill_emit_failed", request_id=job.request_id, error=str(exc))
+
+    def _forward(self, plan: list[ChunkSlice]) -> torch.Tensor:
         device = self.model.device
-        ids, positions, slots, cu = [], [], [], [0]
-        tables = []
-        for job in batch:
-            n, start = len(job.token_ids), job.computed_tokens
+        ids, positions, slots, cu, contexts, tables = [], [], [], [0], [], []
+        for piece in plan:
+            job = piece.job
             pages = self.pool.allocator.page_table(job.request_id)
             if self.pool.config.check_owners:
-                self.pool.allocator.check_write(job.request_id, pages, start)
-                self.pool.allocator.check_write(job.request_id, pages, n - 1)
-                if start:
-                    self.pool.allocator.check_read(job.request_id, pages, start)
-            tables.append(torch.tensor(pages, dtype=torch.int32, device=device))
-            ids += job.token_ids[start:]
-            positions += range(start, n)
-            slots += self.pool.slots_for(pages, start, n)
-            cu.append(cu[-1] + n - start)
-        paged = any(job.computed_tokens for job in batch)
+                self.pool.allocator.check_write(job.request_id, pages, piece.start)
+                self.pool.allocator.check_write(job.request_id, pages, piece.end - 1)
+            tables.append(pages)
+            ids += job.token_ids[piece.start:piece.end]
+            positions += range(piece.start, piece.end)
+            slots += self.pool.slots_for(pages, piece.start, piece.end)
+            cu.append(cu[-1] + piece.num_tokens)
+            contexts.append(piece.start)
+        paged = any(contexts)  # else every chunk starts its prompt: plain causal attention
+        width = max(len(t) for t in tables)
         prefill = PrefillBatch(
             token_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),
-            max_seqlen=max(len(j.token_ids) - j.computed_tokens for j in batch),
-            context_lens=torch.tensor([j.computed_tokens for j in batch], dtype=torch.int32,
-                                      device=device) if paged else None,
-            page_table=torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
-            if paged else None)
+            max_seqlen=max(s.num_tokens for s in plan),
+            context_lens=(torch.tensor(contexts, dtype=torch.int32, device=device)
+                          if paged else None),
+            page_table=(torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                     dtype=torch.int32, device=device) if paged else None))
+        rows = [torch.tensor(t, dtype=torch.int32, device=device) for t in tables]
 
         def on_layer_stored(layer: int) -> None:
-            live = [(j, t) for j, t in zip(batch, tables) if not j.cancelled.is_set()]
+            live = [(s, r) for s, r in zip(plan, rows) if not s.job.cancelled.is_set()]
             if not live:
-                raise _BatchCancelled()
-            for job, table in live:
-                self._emit_layer(job, table, layer)
+                raise _PassCancelled()
+            for piece, table in live:
+                self._emit_layer(piece.job, table, layer, piece.job.streamed_tokens, piece.end)
 
         return self.model.prefill(prefill, self.pool.k, self.pool.v, on_layer_stored)
 
-    def _emit_layer(self, job: PrefillJob, table: torch.Tensor, layer: int) -> None:
-        n = len(job.token_ids)
+    def _emit_layer(self, job: PrefillJob, table: torch.Tensor, layer: int, token_start: int,
+                    token_end: int) -> None:
+        """Frames of layer's KV for tokens [token_start, token_end) of job, at most
+        job.chunk_tokens tokens each."""
         ops = self.model.ops
-        for start in range(0, n, job.chunk_tokens):
-            count = min(job.chunk_tokens, n - start)
+        for start in range(token_start, token_end, job.chunk_tokens):
+            count = min(job.chunk_tokens, token_end - start)
             kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
             frame = job.sender.chunk(job.request_id, job.chunks_sent, layer, start, kv,
                                      job.nonce)
-            if frame is None:
-                return  # released: the stream is gone; the next layer boundary drops the job
-            if not self._send_budget.acquire(job.unsent, len(frame), job.cancelled):
-                return  # the stream is gone; the next layer boundary drops the job
+            if frame is None or not self._send_budget.acquire(job.unsent, len(frame),
+                                                              job.cancelled):
+                job.cancelled.set()  # the stream is gone: no later chunk, no commit
+                return
             job.emit(frame)
             job.chunks_sent += 1

@@ -45,7 +45,7 @@ class RunningPrefill:
 async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     svc = config.service
     log = make_logger("prefill")
-    runtime = build_runtime(svc, log)
+    runtime = build_runtime(svc, log, max_pass_tokens=config.max_batch_tokens)
     refusals, counters = Counters(), Counters()
     allocator = runtime.pool.allocator
     cache = PrefixCache(runtime.pool, PrefixCacheConfig(config.prefix_cache,
@@ -59,7 +59,8 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
                                                     lambda: runtime.capacity.max_prompt_tokens),
                              gauges=cache_gauges(cache))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
-                           log, counters, SendBudget(config.max_unsent_bytes), metrics, cache)
+                           log, counters, SendBudget(config.max_unsent_bytes), metrics,
+                           prefill_chunk_tokens=config.prefill_chunk_tokens, prefix_cache=cache)
     planes = plane_offer(config, log)
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,

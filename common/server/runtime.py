@@ -28,9 +28,14 @@ class Runtime:
     kernels: str
 
 
-def build_runtime(config: ServiceConfig, log) -> Runtime:
+def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runtime:
     """Loads weights, picks kernels, sizes the pool (after the weights are placed) and checks
-    the start-up invariant; raises CapacityError / UnsupportedModelError with a clear message."""
+    the start-up invariant; raises CapacityError / UnsupportedModelError with a clear message.
+
+    max_pass_tokens: the most tokens one forward pass carries (prefill: its pass budget,
+    which chunked prefill makes a bound whatever the prompt length); the activation peak is
+    measured at that many. 0: PROFILE_TOKENS (decode, whose local prefill runs whole
+    prompts)."""
     device = config.torch_device()
     dtype = config.torch_dtype()
     kernels = resolve_backend(config.kernels, device)
@@ -45,10 +50,10 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
     ops = make_ops(kernels, device)
     model = build_model(loaded.config, loaded.weights, ops, device, dtype)
     peak = 0
+    profile = profile_tokens(max_pass_tokens, loaded.config.max_position_embeddings)
     if device.type == "cuda" and config.pool_tokens == 0 and config.memory_fraction > 0:
-        peak = measure_activation_peak(
-            model, min(PROFILE_TOKENS, loaded.config.max_position_embeddings))
-    capacity = plan_capacity(config, loaded.config, dtype, device, peak)
+        peak = measure_activation_peak(model, profile)
+    capacity = plan_capacity(config, loaded.config, dtype, device, peak, profile)
     pool_config = PoolConfig(
         pool_tokens=capacity.pool_tokens, page_size=capacity.page_size,
         poison_freed=config.poison_freed_pages, scrub_freed=config.scrub_freed_pages,
@@ -63,6 +68,12 @@ def build_runtime(config: ServiceConfig, log) -> Runtime:
 
 
 PROFILE_TOKENS = 8192
+
+
+def profile_tokens(max_pass_tokens: int, max_positions: int) -> int:
+    """Tokens of the forward pass whose activation peak start-up measures: the pass budget
+    (PROFILE_TOKENS when none is given), never more than the model's window."""
+    return min(max_pass_tokens or PROFILE_TOKENS, max_positions)
 
 
 def measure_activation_peak(model: CausalLM, num_tokens: int) -> int:

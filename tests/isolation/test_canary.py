@@ -1,8 +1,9 @@
 """Tenant isolation under page churn: 40 concurrent clients, each prompt carrying a unique canary
 token sequence, mixed with over-length, cancelled and corrupted-handoff requests, on pools so
-small that every page is reused many times. Every completed request's greedy output equals the
-same request run alone on the idle cluster; every bad one fails with its own status and sends no
-token it should not; both pools end at their baseline.
+small that every page is reused many times, with chunked prefill on (16-token chunks). Every
+completed request's greedy output equals the same request run alone on the idle cluster; every
+bad one fails with its own status and sends no token it should not; both pools end at their
+baseline.
 
 The prefill runs through tests.isolation.patched_service, which corrupts the crc32c of every
 chunk of a prompt whose first token is MARKER (the handoff of that request only)."""
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 PAGE, WINDOW, PREFILL_POOL, DECODE_POOL = 4, 128, 96, 256
 CLIENTS = 40
 TENANTS = 4
+PREFILL_CHUNK = 16  # chunked prefill on: prompts of up to 128 tokens take up to 8 passes
 MARKER = 7
 SYSTEM = [11, 12, 13, 14, 15]  # a prefix every tenant shares
 VOCAB = SPECS[0].vocab
@@ -122,8 +124,8 @@ def cluster(tmp_path_factory, request):
     path, _ = make_checkpoint(SPECS[0], root)
     prefill = start("prefill", root / "run", [
         "--model", str(path), *BOTH, "--pool-tokens", str(PREFILL_POOL),
-        "--allow-context-beyond-pool", request.param],
-        env={"KVH_TEST_CORRUPT_MARKER": str(MARKER)}, module=PATCHED)
+        "--allow-context-beyond-pool", "--prefill-chunk-tokens", str(PREFILL_CHUNK),
+        request.param], env={"KVH_TEST_CORRUPT_MARKER": str(MARKER)}, module=PATCHED)
     try:
         decode = start("decode", root / "run", [
             "--model", str(path), "--prefill", prefill.address, *BOTH,

@@ -35,7 +35,8 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
 class Harness:
-    def __init__(self, enabled: bool, pool_tokens: int = 512, max_pages: int = 0) -> None:
+    def __init__(self, enabled: bool, pool_tokens: int = 512, max_pages: int = 0,
+                 chunk: int = 2048) -> None:
         loaded = load_model("demo")
         c = loaded.config
         model = LlamaModel(c, loaded.weights, TorchOps(), torch.device("cpu"), torch.float32)
@@ -49,7 +50,7 @@ class Harness:
         self.engine = PrefillEngine(
             model, self.pool, self.layout, 4096, make_logger("prefill", stream=io.StringIO()),
             self.counters, SendBudget(PrefillConfig(ServiceConfig()).max_unsent_bytes),
-            prefix_cache=self.cache)
+            prefill_chunk_tokens=chunk, prefix_cache=self.cache)
         self.engine.start()
 
     def run(self, request_id: str, tokens: list[int], scope: bytes
@@ -85,9 +86,11 @@ class Harness:
         self.engine.stop()
 
 
-@pytest.fixture
-def both():
-    on, off = Harness(True), Harness(False)
+@pytest.fixture(params=[2048, 5], ids=["one_pass", "chunks_of_5"])
+def both(request):
+    """The cache on and off; the rest of a hit in one pass, or in chunked-prefill passes of 5
+    tokens (starting mid-page, after the cached pages)."""
+    on, off = Harness(True, chunk=request.param), Harness(False, chunk=request.param)
     yield on, off
     on.stop()
     off.stop()

@@ -331,13 +331,13 @@ def prefill_drops_a_chunk() -> None:
     from prefill_svc.engine import PrefillEngine
 
     def make(original):
-        def _emit_layer(self, job, table, layer):
+        def _emit_layer(self, job, table, layer, token_start, token_end):
             if layer != 0:
-                return original(self, job, table, layer)
+                return original(self, job, table, layer, token_start, token_end)
             real_emit, held = job.emit, []
             job.emit = held.append
             try:
-                original(self, job, table, layer)
+                original(self, job, table, layer, token_start, token_end)
             finally:
                 job.emit = real_emit
             for frame in held[:-1]:
