@@ -24,14 +24,16 @@ TURNS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14], [15, 16, 17, 18, 19]]
 FLAGS = ["--page-size", str(PAGE), "--poison-freed-pages", "--check-page-owners"]
 
 
-def _generate(address: str, prompt: list[int], salt: str, max_tokens: int = 6) -> list[int]:
+def _generate(address: str, prompt: list[int], salt: str, max_tokens: int = 6,
+              token: str = "") -> list[int]:
     request = generate_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True,
                                            cache_salt=salt)
     request.token_ids.ids.extend(prompt)
+    metadata = (("authorization", f"Bearer {token}"),) if token else ()
     with grpc.insecure_channel(address) as channel:
         out = []
         for response in generate_pb2_grpc.GenerationServiceStub(channel).Generate(
-                request, timeout=120):
+                request, timeout=120, metadata=metadata):
             if response.HasField("token"):
                 out.append(response.token.token_id)
         return out
@@ -58,8 +60,11 @@ def cluster(tmp_path_factory):
 
 def test_outputs_with_and_without_the_cache_are_identical(cluster):
     prompts = [SYSTEM + turn for turn in TURNS]
+    start = _counters(cluster)
     uncached = [_generate(cluster.address, p, "") for p in prompts]  # empty scope: no cache
     before = _counters(cluster)
+    assert _delta(start, before, "prefix_cache_unscoped") == len(prompts)
+    assert _delta(start, before, "prefix_cache_hit_tokens") == 0
     cached = [_generate(cluster.address, p, "tenant-x") for p in prompts + prompts]
     after = _counters(cluster)
     assert cached == uncached + uncached
@@ -112,3 +117,25 @@ def test_eviction_under_concurrent_load_keeps_every_output(cluster):
     assert _delta(before, after, "prefix_cache_pages_evicted") > 0
     assert _delta(before, after, "prefix_cache_hits") > 0
     cluster.assert_pools_at_baseline()
+
+
+def test_the_bearer_token_is_an_identity_of_its_own(tmp_path):
+    """With --api-token and no salt, the token's holder shares with itself (the second request
+    hits); a salt gives the same holder a separate scope (no hit)."""
+    path, _ = make_checkpoint(SPECS[0], tmp_path)
+    c = start_cluster(tmp_path / "run", str(path), decode_flags=["--api-token", "s3cret"],
+                      common_flags=FLAGS)
+    try:
+        prompt = SYSTEM + TURNS[0]
+        before = _counters(c)
+        first = _generate(c.address, prompt, "", token="s3cret")
+        assert _generate(c.address, prompt, "", token="s3cret") == first
+        after = _counters(c)
+        assert _delta(before, after, "prefix_cache_hits") == 1
+        assert _delta(before, after, "prefix_cache_unscoped") == 0
+        assert _generate(c.address, prompt, "salted", token="s3cret") == first
+        assert _delta(after, _counters(c), "prefix_cache_hits") == 0
+        pool = c.prefill.stats().pool  # decode's StatsService is behind the token too
+        assert pool.pages_free == pool.pages_total
+    finally:
+        c.stop()
