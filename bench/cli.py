@@ -13,6 +13,8 @@ BENCHMARKS = {
              "in one process."),
     "decode": ("bench.decode_throughput", "Measures decode tokens/s at several batch sizes."),
     "scrub": ("bench.scrub", "Measures what --scrub-freed-pages costs."),
+    "prefill": ("bench.chunked_prefill", "Measures prefill throughput of one long prompt, "
+                "chunked vs unchunked."),
 }
 
 

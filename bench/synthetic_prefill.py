@@ -87,7 +87,8 @@ async def _serve(spec: SyntheticSpec, conn) -> None:
     model = PoolOnlyModel(spec.layout)
     pool = random_pool(spec.layout, spec.pool_tokens)
     engine = PrefillEngine(model, pool, spec.layout, spec.pool_tokens, log, Counters(),
-                           SendBudget(PrefillConfig(ServiceConfig()).max_unsent_bytes))
+                           SendBudget(PrefillConfig(ServiceConfig()).max_unsent_bytes),
+                           prefill_chunk_tokens=spec.pool_tokens)  # nothing to chunk: one pass
     capacity = _capacity(spec)
     planes = PlaneOffer(host_identity(DEFAULT_SHM_DIR), DEFAULT_SHM_DIR)
     limits = PrefillLimits(vocab_size=VOCAB, context_window=spec.pool_tokens,
