@@ -53,15 +53,18 @@ class ServiceConfig:
         return names[self.dtype]
 
 
+# Chunked prefill: the most tokens of one prompt a forward pass computes. 2048 keeps a GPU's
+# matmuls large (a 2k x hidden GEMM is compute-bound on every current part) while a long prompt
+# leaves 3/4 of the default 8192-token pass to other prompts, so short requests are not queued
+# behind it; >= max_batch_tokens gives one prompt a whole pass.
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     service: ServiceConfig
     max_batch_tokens: int = 8192
-    # Chunked prefill: the most tokens of one prompt a forward pass computes. 2048 keeps a
-    # GPU's matmuls large (a 2k x hidden GEMM is compute-bound on every current part) while a
-    # long prompt leaves 3/4 of the default 8192-token pass to other prompts, so short
-    # requests are not queued behind it; >= max_batch_tokens gives one prompt a whole pass.
-    prefill_chunk_tokens: int = 2048
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     max_unsent_bytes: int = 512 << 20
     shared_memory: bool = True  # offer the shared-memory plane (same host only)
     release_grace_s: float = 5.0  # how long out-of-band bytes outlive their stream unreleased

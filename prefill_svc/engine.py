@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.config import DEFAULT_PREFILL_CHUNK_TOKENS
 from common.counters import Counters
 from common.handoff.codec import commit_frame, frame_wire
 from common.handoff.layout import KvLayout
@@ -66,9 +67,6 @@ class PrefillJob:
     computed_tokens: int = 0
     streamed_tokens: int = 0
     cache_scope: bytes = b""  # who may share its cached prefix (decode's, SPEC.md D-80)
-
-
-DEFAULT_PREFILL_CHUNK_TOKENS = 2048  # PrefillConfig.prefill_chunk_tokens; see its comment
 
 
 class _PassCancelled(Exception):
