@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from common.errors import error_reason
-from common.handoff.codec import bytes_to_kv
 from common.handoff.reasons import HandoffRefused, refuse
 from common.handoff.transfer import TransferRecord, TransferState
 from common.handoff.verifier import Expectation, HandoffState, HandoffVerifier
@@ -68,9 +68,12 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
             if chunk is not None:
                 record.move(TransferState.TRANSFERRING)
                 received += len(chunk.k) + len(chunk.v)
-                count = chunk.token_end - chunk.token_start
-                kv = bytes_to_kv(expect.layout, chunk.k, chunk.v, count)
-                engine.write(expect.request_id, chunk.layer, chunk.token_start, kv)
+                # the verified bytes go to the engine as they are: decode's own copy (the
+                # received frame, or what a plane read out of its region), no tensor between
+                engine.write_bytes(expect.request_id, chunk.layer, chunk.token_start,
+                                   chunk.token_end - chunk.token_start,
+                                   np.frombuffer(chunk.k, dtype=np.uint8),
+                                   np.frombuffer(chunk.v, dtype=np.uint8))
                 record.bytes_landed = received
         landed = LandedKv(verifier.finish(), received, verifier.bound)
         record.move(TransferState.SUCCESS)
