@@ -10,6 +10,7 @@ Either reads any C-contiguous buffer (bytes, memoryview, uint8 numpy arrays) wit
 from __future__ import annotations
 
 import google_crc32c
+import numpy as np
 
 try:
     import crc32c as _hw
@@ -21,6 +22,8 @@ def crc32c_extend(value: int, data) -> int:
     """CRC-32C of (whatever gave `value`) || data; value 0 starts a new checksum."""
     if _hw is not None:
         return _hw.crc32c(data, value)
+    if isinstance(data, memoryview):  # google_crc32c takes bytes and arrays, not memoryviews
+        data = np.frombuffer(data, dtype=np.uint8)
     return google_crc32c.extend(value, data)
 
 
