@@ -20,10 +20,20 @@ _BITS: dict[torch.dtype, tuple[type, int, int]] = {
 }
 
 
+# Values masked per pass: one scratch block that stays in cache (a payload-sized temporary
+# would be page-faulted in anew for every chunk; measured 2x slower at 4 MiB chunks).
+BLOCK_VALUES = 1 << 17
+
+
 def all_finite_bytes(data: np.ndarray, dtype: torch.dtype) -> bool:
     """data: uint8 array holding whole values of dtype (read only, any size) -> all finite."""
     word, magnitude, exponent = _BITS[dtype]
-    if data.size == 0:
-        return True
     values = data.view(word)
-    return bool(np.bitwise_and(values, word(magnitude)).max() < exponent)
+    scratch = np.empty(min(values.size, BLOCK_VALUES), word)
+    for start in range(0, values.size, BLOCK_VALUES):
+        part = values[start:start + BLOCK_VALUES]
+        masked = scratch[:part.size]
+        np.bitwise_and(part, word(magnitude), out=masked)
+        if masked.max() >= exponent:
+            return False
+    return True

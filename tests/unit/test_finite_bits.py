@@ -44,3 +44,16 @@ def test_every_bf16_bit_pattern_agrees():
 
 def test_empty_payload_is_finite():
     assert all_finite_bytes(np.empty(0, np.uint8), torch.bfloat16)
+
+
+def test_a_non_finite_value_in_any_block_is_found(monkeypatch):
+    """The check runs block by block: a NaN in the last, partial block counts too."""
+    import decode_svc.finite_bits as finite_bits
+
+    monkeypatch.setattr(finite_bits, "BLOCK_VALUES", 1000)
+    values = torch.zeros(2500, dtype=torch.bfloat16)
+    assert all_finite_bytes(_bytes(values), torch.bfloat16)
+    for position in (0, 999, 1000, 2499):
+        bad = values.clone()
+        bad[position] = float("nan")
+        assert not all_finite_bytes(_bytes(bad), torch.bfloat16), position
