@@ -367,8 +367,8 @@ def prefill_layer0_everywhere() -> None:
 
     def make(original):
         def chunk_wire(request_id, sequence_number, layer, token_start, kv, nonce=b""):
-            if layer == 0:
-                layer0[(request_id, token_start)] = kv
+            if layer == 0:  # a copy: the sender reuses its pack buffer for the next chunk
+                layer0[(request_id, token_start)] = kv.clone()
             else:
                 kv = layer0.get((request_id, token_start), kv)
             return original(request_id, sequence_number, layer, token_start, kv, nonce)
