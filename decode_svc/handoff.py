@@ -64,7 +64,8 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
     started = time.monotonic()
     try:
         async for frame in call:
-            chunk = verifier.on_frame(resolve(frame) if resolve is not None else frame)
+            chunk = verifier.on_frame(resolve(frame) if resolve is not None
+                                      else _inline_only(frame))
             if chunk is not None:
                 record.move(TransferState.TRANSFERRING)
                 received += len(chunk.k) + len(chunk.v)
@@ -87,6 +88,17 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
         raise
     finally:
         call.cancel()  # a no-op once the call is done; stops prefill's work otherwise
+
+
+def _inline_only(frame):
+    """On the inline plane a chunk carries its bytes, never a reference (D-63): a reference
+    there names memory decode did not ask for, so the handoff is refused, nothing read. (The
+    wire codec's fast path only takes chunks without one; they reach here as protobuf.)"""
+    if (isinstance(frame, handoff_pb2.PrefillResponse) and frame.WhichOneof("frame") == "chunk"
+            and frame.chunk.HasField("ref")):
+        raise refuse("REFERENCE_UNEXPECTED", f"chunk {frame.chunk.sequence_number} carries a "
+                     "shared-memory reference on an inline handoff")
+    return frame
 
 
 class InlineReceiver(KvReceiver):
