@@ -10,22 +10,18 @@ import os
 import time
 
 import grpc
-import pytest
 import torch
 
 from common.counters import Counters
 from common.handoff.binding import new_nonce, prompt_digest
-from common.handoff.codec import (chunk_wire, commit_frame, frame_wire, header_frame,
-                                  parse_chunk_fast)
+from common.handoff.codec import commit_frame, frame_wire, header_frame, parse_chunk_fast
 from common.handoff.layout import KvLayout
 from common.handoff.reasons import HandoffRefused
 from common.handoff.transfer import TransferRecord, TransferState
 from common.handoff.verifier import Expectation
-from common.kvpool.kv_cache import PoolConfig
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig
 from decode_svc.engine_answer import engine_answer
-from decode_svc.handoff import InlineReceiver
 from decode_svc.kv_receiver import HandoffJob
 from decode_svc.shm_receiver import SharedMemoryReceiver
 from prefill_svc.handoff_leases import HandoffLeases
@@ -73,20 +69,6 @@ class FakeClient:
     async def release(self, request_id, nonce, timeout):
         self.released.append((request_id, nonce))
         return True
-
-
-@pytest.fixture
-def harness():
-    h = Harness(PoolConfig(pool_tokens=256, page_size=16))
-    yield h
-    h.close()
-
-
-@pytest.fixture
-def shm(tmp_path):
-    directory = tmp_path / "shm"
-    directory.mkdir(mode=0o700)
-    return directory
 
 
 def _layout(h: Harness) -> KvLayout:
@@ -240,45 +222,6 @@ def test_inline_bytes_and_a_reference_together_are_refused(harness, shm):
     sender.release(False)
     err = _refused(harness, shm, frames, nonce, "both", sender)
     assert err.reason == "REFERENCE_UNEXPECTED"
-
-
-def test_a_reference_on_an_inline_handoff_is_refused(harness, shm):
-    """D-63 on the inline plane: a chunk with its bytes AND a reference (to a region that
-    exists and is valid) is refused before anything is read or landed; pages back."""
-    baseline = harness.pages_free()
-    nonce = new_nonce()
-    frames, sender, kv = _handoff(harness, shm, "inline-ref", nonce)
-    inline = [frames[0]]  # the same header and commit; the chunks with their bytes inline
-    for layer, layer_kv in enumerate(kv):
-        for start in range(0, len(PROMPT), CHUNK_TOKENS):
-            part = layer_kv[:, start:start + CHUNK_TOKENS].contiguous()
-            inline.append(chunk_wire("inline-ref", len(inline) - 1, layer, start, part, nonce))
-    inline.append(frames[-1])
-    both = handoff_pb2.PrefillResponse.FromString(inline[2])
-    both.chunk.ref.CopyFrom(handoff_pb2.PrefillResponse.FromString(frames[2]).chunk.ref)
-    inline[2] = both.SerializeToString()
-
-    async def receive():
-        await engine_answer(lambda done: harness.engine.reserve("inline-ref", len(PROMPT), done))
-        expect = Expectation("inline-ref", len(PROMPT), _layout(harness), FINGERPRINT, 4 << 20,
-                             harness.model.config.vocab_size, nonce, prompt_digest(PROMPT))
-        request = handoff_pb2.PrefillRequest(request_id="inline-ref", token_ids=PROMPT,
-                                             nonce=nonce)
-        return await InlineReceiver(client, harness.engine).receive(
-            HandoffJob(request, expect, SamplingConfig(), 30.0), record)
-
-    client = FakeClient(inline)
-    record = TransferRecord("inline-ref", "inline")
-    with pytest.raises(HandoffRefused) as refused:
-        asyncio.run(receive())
-    assert refused.value.reason == "REFERENCE_UNEXPECTED"
-    assert refused.value.code == grpc.StatusCode.INTERNAL
-    assert "chunk 1 " in refused.value.message
-    assert record.state == TransferState.FAILED and client.call.cancelled
-    harness.engine.release("inline-ref")
-    harness.drain()
-    assert harness.pages_free() == baseline
-    sender.release(False)
 
 
 def test_a_peer_killed_mid_transfer_is_refused_and_its_region_removed(harness, shm):
