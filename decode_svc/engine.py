@@ -189,13 +189,13 @@ class DecodeEngine:
         if not self.pool.allocator.holds(request_id):
             return
         k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
-        if k_cache.device.type != "cpu":
-            layout = KvLayout(self.pool.k.shape[0], k_cache.shape[2], k_cache.shape[3],
-                              k_cache.dtype)
-            kv = bytes_to_kv(layout, command.k, command.v, command.num_tokens)
-            self._on_write(Write(request_id, layer, command.token_start, kv))
-            return
         try:
+            if k_cache.device.type != "cpu":
+                layout = KvLayout(self.pool.k.shape[0], k_cache.shape[2], k_cache.shape[3],
+                                  k_cache.dtype)
+                kv = bytes_to_kv(layout, command.k, command.v, command.num_tokens)
+                self._on_write(Write(request_id, layer, command.token_start, kv))
+                return
             table = self.pool.allocator.page_table(request_id)
             self._finite.observe_result(request_id, all_finite_bytes(command.k, k_cache.dtype)
                                         and all_finite_bytes(command.v, k_cache.dtype))
