@@ -16,6 +16,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from common.capacity import Capacity
@@ -24,6 +25,7 @@ from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.log import make_logger
+from common.malloc_tuning import keep_freed_heap
 from common.model.llama import PrefillBatch
 from common.ops.torch_ops import TorchOps
 from common.pb.kvhandoff.v1 import handoff_pb2
@@ -75,6 +77,7 @@ class SyntheticSpec:
     layout: KvLayout
     pool_tokens: int
     torch_threads: int = 0  # 0: torch's default
+    malloc_tuning: bool = True  # common.malloc_tuning.keep_freed_heap in the helper too
 
 
 def _capacity(spec: SyntheticSpec) -> Capacity:
@@ -102,6 +105,7 @@ async def _serve(spec: SyntheticSpec, conn) -> None:
 
     def register(server) -> list[str]:
         add_handoff_service(servicer, server)
+        server.add_generic_rpc_handlers((bare_grpc_handler(),))
         return names
 
     server, port, health = await create_server(register, "127.0.0.1", 0, None,
@@ -141,6 +145,30 @@ def _serve_sized_requests(listener: socket.socket, send) -> None:
 def _socket_sender(listener: socket.socket) -> None:
     """The raw TCP baseline: the bytes themselves, on the socket."""
     _serve_sized_requests(listener, lambda sock, data: sock.sendall(data))
+
+
+BARE_GRPC_METHOD = "/kvhandoff.bench.BareStream/Send"
+BARE_GRPC_PIECE_BYTES = 4 << 20
+
+
+def bare_grpc_handler() -> grpc.GenericRpcHandler:
+    """The bare gRPC baseline, on the handoff's own server: a request of SIZE_HEADER bytes
+    asks for that many bytes, streamed back as `bytes` messages of BARE_GRPC_PIECE_BYTES (the
+    pieces are built once per size, so the sender only hands them to gRPC)."""
+    pieces: list[bytes] = []
+
+    async def send(request: bytes, context):
+        (size,) = SIZE_HEADER.unpack(request)
+        if sum(map(len, pieces)) != size:
+            payload = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
+            pieces[:] = [payload[i:i + BARE_GRPC_PIECE_BYTES]
+                         for i in range(0, size, BARE_GRPC_PIECE_BYTES)]
+        for piece in pieces:
+            yield piece
+
+    service, method = BARE_GRPC_METHOD.strip("/").split("/")
+    return grpc.method_handlers_generic_handler(service, {
+        method: grpc.unary_stream_rpc_method_handler(send)})
 
 
 SHM_PIECE_BYTES = 4 << 20
@@ -186,4 +214,6 @@ def serve_in_process(spec: SyntheticSpec, conn) -> None:
 
     if spec.torch_threads > 0:
         torch.set_num_threads(spec.torch_threads)
+    if spec.malloc_tuning:
+        keep_freed_heap()
     run_async(lambda: _serve(spec, conn))

@@ -1,11 +1,13 @@
-"""Where a handoff's time goes, step by step, per 1 MiB chunk (256 tokens of a Llama-3-8B-shaped
-layer, K plus V in bf16), in one process on one torch thread.
+"""Where a handoff's time goes, step by step, per chunk of a Llama-3-8B-shaped layer (K plus V,
+bf16), in one process on one torch thread: each step as the services did it before issue 12's
+speed work ("before") and as they do it now ("now"), side by side in one run.
 
-    PYTHONPATH=. python bench/transfer_breakdown.py [--chunks 64] [--shm-dir /dev/shm]
+    PYTHONPATH=. python bench/transfer_breakdown.py [--chunks 32] [--chunk-mib 1,4]
 
-Steps: prefill's pack_kv out of the pages, crc32c, the inline frame, the write into a
-shared-memory region; decode's pread into its own buffer, crc32c over its copy, the copy into
-the write tensor, and the engine's unpack_kv into its pages.
+Prefill: pack out of the pages, crc32c, the inline frame, the write into a shared-memory region.
+Decode: crc32c over its copy, the finiteness check, the copy into the pages (before: a write
+tensor by bytes_to_kv, then unpack_kv; now: one row copy from the received bytes), and the
+pread out of a region. Steps the new path does not have show as "-".
 """
 
 from __future__ import annotations
@@ -14,66 +16,111 @@ import argparse
 import time
 
 import google_crc32c
+import numpy as np
 import torch
 
-from common.handoff.codec import bytes_to_kv, chunk_wire, kv_buffers
+from common.handoff.codec import (bytes_to_kv, chunk_wire, encode_chunk, kv_buffers,
+                                  parse_chunk_fast)
+from common.handoff.crc import payload_crc32c
 from common.handoff.layout import KvLayout
 from common.handoff.shm_region import RegionReader, RegionWriter
+from common.kernels.pack_kv import (pack_kv_cpu, pack_kv_reference, unpack_kv_bytes_cpu,
+                                    unpack_kv_reference)
 from common.kvpool.kv_cache import KvPool, PoolConfig
-from common.ops.torch_ops import TorchOps
+from decode_svc.finite_bits import all_finite_bytes
 
-TOKENS = 256
+PAGE = 16
 
 
-def _timed(label: str, chunk_bytes: int, reps: int, fn) -> None:
+def _per_chunk(reps: int, fn) -> float:
+    """Seconds per call of fn(i), i = 0..reps-1, after one warm-up call."""
+    fn(0)
     started = time.perf_counter()
     for i in range(reps):
         fn(i)
-    per = (time.perf_counter() - started) / reps
-    print(f"{label:38s} {per * 1e3:7.3f} ms/chunk {chunk_bytes / per / 1e9:7.2f} GB/s")
+    return (time.perf_counter() - started) / reps
+
+
+def steps(layout: KvLayout, pool: KvPool, tokens: int, reps: int, shm_dir: str) -> list:
+    """-> [(step, seconds before or None, seconds now or None)] for chunks of `tokens` tokens."""
+    layers = layout.num_layers
+    table = torch.arange(0, tokens // PAGE, dtype=torch.int32)  # [pages]
+    np_table = table.numpy()
+    kv = pack_kv_reference(pool.k[0], pool.v[0], table, 0, tokens)  # [2, n, Hkv, D]
+    k, v = kv_buffers(kv)
+    frame = chunk_wire("r", 0, 0, 0, kv, b"n" * 16)
+    wire = parse_chunk_fast(frame).chunk
+    wire_k, wire_v = wire.k, wire.v  # read-only views of the received frame
+    out = torch.empty_like(kv)
+    rows = [
+        ("prefill pack out of the pages", lambda i: pack_kv_reference(
+            pool.k[i % layers], pool.v[i % layers], table, 0, tokens).cpu(),
+         lambda i: pack_kv_cpu(pool.k[i % layers], pool.v[i % layers], table, 0, out)),
+        ("prefill crc32c of K+V", lambda i: google_crc32c.extend(google_crc32c.value(k), v),
+         lambda i: payload_crc32c(k, v)),
+        ("prefill inline frame (copy + crc)", lambda i: encode_chunk(
+            "r", i, 0, 0, tokens, k, v, google_crc32c.extend(google_crc32c.value(k), v)),
+         lambda i: chunk_wire("r", i, 0, 0, kv, b"n" * 16)),
+        ("decode crc32c over its copy",
+         lambda i: google_crc32c.extend(google_crc32c.value(wire_k), wire_v),
+         lambda i: payload_crc32c(wire_k, wire_v)),
+        ("decode finiteness check", lambda i: bool(torch.isfinite(kv).all()),
+         lambda i: all_finite_bytes(wire_k, layout.dtype) and all_finite_bytes(wire_v,
+                                                                               layout.dtype)),
+        ("decode bytes_to_kv (write tensor)", lambda i: bytes_to_kv(layout, wire_k, wire_v,
+                                                                    tokens), None),
+        ("decode copy into its pages", lambda i: unpack_kv_reference(
+            kv, pool.k[i % layers], pool.v[i % layers], table, 0),
+         lambda i: unpack_kv_bytes_cpu(wire_k, wire_v, pool.k[i % layers], pool.v[i % layers],
+                                       np_table, 0, tokens)),
+    ]
+    result = [(name, before and _per_chunk(reps, before), now and _per_chunk(reps, now))
+              for name, before, now in rows]
+    size = 2 * len(k)
+    writer = RegionWriter(shm_dir, reps * size + size)
+    try:
+        pwrite = _per_chunk(reps, lambda i: (writer.write(i * size, k),
+                                             writer.write(i * size + len(k), v)))
+        reader = RegionReader(shm_dir, writer.name)
+        own = np.empty((2, len(k)), np.uint8)  # decode's own buffer
+        pread = _per_chunk(reps, lambda i: (reader.read_into(i * size, own[0]),
+                                            reader.read_into(i * size + len(k), own[1])))
+        reader.close()
+    finally:
+        writer.close()
+    return result + [("prefill pwrite K+V into the region", pwrite, pwrite),
+                     ("decode preadv K+V into its buffer", pread, pread)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--chunks", type=int, default=64)
+    p.add_argument("--chunks", type=int, default=32, help="timed chunks per step")
+    p.add_argument("--chunk-mib", default="1,4", help="chunk sizes (K plus V), MiB")
     p.add_argument("--shm-dir", default="/dev/shm")
     args = p.parse_args()
     torch.set_num_threads(1)
     layout = KvLayout(32, 8, 128, torch.bfloat16)
-    pool = KvPool(PoolConfig(pool_tokens=4096, page_size=16), 32, 8, 128, torch.bfloat16,
-                  torch.device("cpu"))
+    sizes = [int(s) for s in args.chunk_mib.split(",")]
+    max_tokens = max(sizes) * (1 << 20) // layout.kv_bytes_per_token_per_layer
+    pool = KvPool(PoolConfig(pool_tokens=max_tokens, page_size=PAGE), 32, 8, 128,
+                  torch.bfloat16, torch.device("cpu"))
     for cache in (pool.k, pool.v):
         for layer in range(32):
             cache[layer].normal_()
-    ops, table = TorchOps(), torch.arange(0, TOKENS // 16, dtype=torch.int32)
-    size = TOKENS * layout.kv_bytes_per_token_per_layer
-    n = args.chunks
-    kv = ops.pack_kv(pool.k[0], pool.v[0], table, 0, TOKENS).cpu()  # [2, 256, 8, 128]
-    k, v = kv_buffers(kv)
-    _timed("prefill pack_kv + .cpu()", size, n,
-           lambda i: ops.pack_kv(pool.k[i % 32], pool.v[i % 32], table, 0, TOKENS).cpu())
-    _timed("crc32c of K+V", size, n, lambda i: google_crc32c.extend(google_crc32c.value(k), v))
-    _timed("inline chunk_wire (copy + crc)", size, n,
-           lambda i: chunk_wire("r", i, 0, 0, kv, b"n" * 16))
-    writer = RegionWriter(args.shm_dir, n * size)
-    try:
-        _timed("pwrite K+V into the region", size, n,
-               lambda i: (writer.write(i * size, k), writer.write(i * size + len(k), v)))
-        reader = RegionReader(args.shm_dir, writer.name)
-        own = torch.empty_like(kv)
-        flat = own.view(torch.uint8).view(2, -1).numpy()  # [2, bytes] decode's own memory
-        _timed("decode preadv K+V into its buffer", size, n,
-               lambda i: (reader.read_into(i * size, flat[0]),
-                          reader.read_into(i * size + len(k), flat[1])))
-        reader.close()
-    finally:
-        writer.close()
-    _timed("decode crc32c over its copy", size, n,
-           lambda i: google_crc32c.extend(google_crc32c.value(flat[0]), flat[1]))
-    _timed("decode bytes_to_kv (write tensor)", size, n,
-           lambda i: bytes_to_kv(layout, flat[0], flat[1], TOKENS))
-    _timed("decode engine unpack_kv into pages", size, n,
-           lambda i: ops.unpack_kv(own, pool.k[i % 32], pool.v[i % 32], table, 0))
+    for mib in sizes:
+        tokens = mib * (1 << 20) // layout.kv_bytes_per_token_per_layer
+        size = tokens * layout.kv_bytes_per_token_per_layer
+        print(f"chunk {mib} MiB ({tokens} tokens of one layer), ms per chunk (GB/s)")
+        totals = [0.0, 0.0]
+        for name, before, now in steps(layout, pool, tokens, args.chunks, args.shm_dir):
+            cells = []
+            for j, sec in enumerate((before, now)):
+                cells.append(f"{sec * 1e3:7.3f} ({size / sec / 1e9:5.2f})" if sec else
+                             f"{'-':>15}")
+                totals[j] += sec or 0.0
+            print(f"  {name:38s} {cells[0]}  {cells[1]}")
+        print(f"  {'sum (each step once, not a pipeline)':38s} {totals[0] * 1e3:7.3f}"
+              f"{'':8s}  {totals[1] * 1e3:7.3f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,17 @@
-"""`kvhandoff bench ttft`: the transfer time a disaggregated handoff leaves exposed, as
-TTFT(disaggregated) - TTFT(same engine in one process, decode --local-prefill).
+"""`kvhandoff bench ttft`: the transfer time a disaggregated handoff leaves exposed, per data
+plane, as TTFT(disaggregated over that plane) - TTFT(same engine in one process, decode
+--local-prefill).
 
-    kvhandoff bench ttft [--lengths 512,2048,8192] [--repeats 5] [--compare-checks] [--json OUT]
+    kvhandoff bench ttft [--lengths 512,2048,8192] [--planes inline,shared-memory]
+                         [--repeats 5] [--compare-checks] [--json OUT]
+
+Each plane is its own prefill + decode pair, decode started with `--data-plane <plane>` (so a
+plane that cannot be used makes its decode refuse to start, never fall back); a plane added
+later (NIXL) is one more name in --planes. Besides the paired TTFT differences, decode's own log
+gives per request the handoff's seconds (`handoff_verified`: queued to verified, so prefill's
+forward pass, the transfer and the content checks) and the local prefill's
+(`prefilled_locally`); their difference less the checks is the exposed transfer as decode's own
+clock saw it (a difference of medians of two deployments: a cross-check, noisier).
 
 One request at a time (max_tokens 1), so TTFT is prefill plus, when disaggregated, the part of
 the KV transfer that per-layer streaming does not hide behind compute. Both deployments run
@@ -10,7 +20,7 @@ differences. The demo model's window
 is 4096 positions; for longer prompts the benchmark writes the demo weights into a checkpoint
 with a longer window (RoPE needs nothing else) in a temporary directory.
 
-With --compare-checks a third deployment runs beside them: the disaggregated pair with decode's
+With --compare-checks one more deployment runs beside them: the first plane's pair with decode's
 content checks off (--no-content-checks), so the checks' cost is a paired difference too; the
 checks' own time per request is read from decode's `handoff_content_verified` log lines.
 """
@@ -28,7 +38,7 @@ from pathlib import Path
 import grpc
 
 from bench.serve_client import RequestSpec, run_one
-from bench.servers import MODES, model_vocab_size, start_deployment
+from bench.servers import model_vocab_size, start_deployment
 from common.pb.kvhandoff.v1 import generate_pb2_grpc
 from common.server.grpc_server import run_async
 
@@ -36,8 +46,8 @@ DEMO_WINDOW = 4096
 UNCHECKED = "disaggregated-unchecked"
 
 
-def verify_seconds(decode_log: Path) -> dict[int, list[float]]:
-    """Content-check seconds per prompt length, from decode's JSON log lines."""
+def log_seconds(decode_log: Path, event_name: str) -> dict[int, list[float]]:
+    """`seconds` of decode's JSON log lines named event_name, per prompt length."""
     out: dict[int, list[float]] = {}
     if not decode_log.exists():
         return out
@@ -46,9 +56,15 @@ def verify_seconds(decode_log: Path) -> dict[int, list[float]]:
             event = json.loads(line)
         except ValueError:
             continue
-        if event.get("event") == "handoff_content_verified":
+        if event.get("event") == event_name and "prompt_tokens" in event:
             out.setdefault(int(event["prompt_tokens"]), []).append(float(event["seconds"]))
     return out
+
+
+def _median_ms(values: list[float]) -> float | None:
+    # the first request of each length is the warm-up round: the log has it too
+    values = values[1:] if len(values) > 1 else values
+    return statistics.median(values) * 1e3 if values else None
 
 
 def write_long_demo(root: Path, max_positions: int) -> Path:
@@ -98,16 +114,21 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--lengths", default="512,2048,8192",
                    help="prompt lengths in tokens, comma separated")
+    p.add_argument("--planes", default="inline,shared-memory",
+                   help="data planes, one disaggregated pair each (decode --data-plane NAME)")
     p.add_argument("--repeats", type=int, default=5, help="timed requests per length and mode")
     p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
     p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                    help="torch threads per service process (0: torch's default)")
     p.add_argument("--server-args", default="", help="extra flags for every service")
     p.add_argument("--compare-checks", action="store_true",
-                   help="also run the pair with decode's content checks off, to price them")
+                   help="also run the first plane's pair with decode's content checks off")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    planes = [x.strip() for x in args.planes.split(",") if x.strip()]
+    if not planes or "local" in planes or UNCHECKED in planes:
+        p.error("--planes: one or more data plane names")
     window = max(lengths) + 1
     with tempfile.TemporaryDirectory(prefix="kvh-bench-ttft-") as tmp:
         model = args.model
@@ -116,9 +137,11 @@ def main(argv: list[str]) -> int:
         pool = max(window // 16 + 2, 256) * 16  # whole pages, at least the window
         flags = ["--model", model, "--pool-tokens", str(pool), "--max-context-tokens",
                  str(window), *args.server_args.split()]
-        plans = [(mode, mode, []) for mode in MODES]
+        plans = [(plane, "disaggregated", ["--data-plane", plane]) for plane in planes]
         if args.compare_checks:
-            plans.insert(1, (UNCHECKED, "disaggregated", ["--no-content-checks"]))
+            plans.append((UNCHECKED, "disaggregated",
+                          ["--data-plane", planes[0], "--no-content-checks"]))
+        plans.append(("local", "local", []))
         deployments = {}
         try:
             for name, mode, decode_flags in plans:
@@ -130,49 +153,68 @@ def main(argv: list[str]) -> int:
                 model_vocab_size(model),
                 lambda text: print(f"\r[ttft] {text}   ", end="", file=sys.stderr, flush=True)))
             print(file=sys.stderr)
-            verify_s = verify_seconds(Path(tmp) / "disaggregated" / "disaggregated" / "decode.log")
+            logs = {name: Path(tmp) / name / mode / "decode.log" for name, mode, _ in plans}
+            handoff_s = {name: log_seconds(logs[name], "handoff_verified") for name in planes}
+            checks_s = {name: log_seconds(logs[name], "handoff_content_verified")
+                        for name in planes}
+            local_s = log_seconds(logs["local"], "prefilled_locally")
         finally:
             for deployment in deployments.values():
                 deployment.stop()
     rows = []
     for length in lengths:
-        disaggregated = statistics.median(per_mode["disaggregated"][length])
-        local = statistics.median(per_mode["local"][length])
-        paired = [a - b for a, b in zip(per_mode["disaggregated"][length],
-                                        per_mode["local"][length])]
-        exposed = statistics.median(paired)
-        rows.append({"prompt_tokens": length, "ttft_disaggregated_ms": disaggregated * 1e3,
-                     "ttft_local_ms": local * 1e3, "exposed_ms": exposed * 1e3,
-                     "exposed_share": exposed / disaggregated,
-                     "samples_ms": {m: [t * 1e3 for t in per_mode[m][length]] for m in per_mode}})
-        checks = verify_s.get(length, [])
-        rows[-1]["verify_ms"] = statistics.median(checks) * 1e3 if checks else None
+        local = per_mode["local"][length]
+        row = {"prompt_tokens": length, "ttft_local_ms": statistics.median(local) * 1e3,
+               "local_prefill_log_ms": _median_ms(local_s.get(length, [])), "planes": {},
+               "samples_ms": {m: [t * 1e3 for t in per_mode[m][length]] for m in per_mode}}
+        for plane in planes:
+            ttft = per_mode[plane][length]
+            exposed = statistics.median(a - b for a, b in zip(ttft, local))
+            handoff = _median_ms(handoff_s[plane].get(length, []))
+            checks = _median_ms(checks_s[plane].get(length, []))
+            exposed_log = (None if None in (handoff, checks, row["local_prefill_log_ms"]) else
+                           handoff - checks - row["local_prefill_log_ms"])
+            row["planes"][plane] = {
+                "ttft_ms": statistics.median(ttft) * 1e3, "exposed_ms": exposed * 1e3,
+                "exposed_share": exposed / statistics.median(ttft), "handoff_log_ms": handoff,
+                "checks_log_ms": checks, "exposed_log_ms": exposed_log}
         if args.compare_checks:
             unchecked = per_mode[UNCHECKED][length]
-            cost = statistics.median(a - b for a, b in zip(per_mode["disaggregated"][length],
+            cost = statistics.median(a - b for a, b in zip(per_mode[planes[0]][length],
                                                             unchecked))
-            rows[-1] |= {"ttft_unchecked_ms": statistics.median(unchecked) * 1e3,
-                         "checks_cost_ms": cost * 1e3,
-                         "checks_cost_share": cost / statistics.median(unchecked)}
-    print(f"model {args.model}, {args.torch_threads} torch threads per service, medians of "
-          f"{args.repeats} rounds")
-    print(f"{'prompt':>7} {'TTFT disagg ms':>15} {'TTFT local ms':>14} {'exposed ms':>11} "
-          f"{'share of TTFT':>14}")
-    for r in rows:
-        print(f"{r['prompt_tokens']:>7} {r['ttft_disaggregated_ms']:>15.1f} "
-              f"{r['ttft_local_ms']:>14.1f} {r['exposed_ms']:>11.1f} {r['exposed_share']:>13.1%}")
-    print(f"\n{'prompt':>7} {'checks ms (log)':>16} {'TTFT unchecked ms':>18} "
-          f"{'paired cost ms':>15} {'cost / TTFT':>12}")
-    for r in rows:
-        verify = "-" if r["verify_ms"] is None else f"{r['verify_ms']:.1f}"
-        if "checks_cost_ms" in r:
-            print(f"{r['prompt_tokens']:>7} {verify:>16} {r['ttft_unchecked_ms']:>18.1f} "
-                  f"{r['checks_cost_ms']:>15.1f} {r['checks_cost_share']:>11.1%}")
-        else:
-            print(f"{r['prompt_tokens']:>7} {verify:>16} (run with --compare-checks for the "
-                  f"paired cost)")
+            row |= {"ttft_unchecked_ms": statistics.median(unchecked) * 1e3,
+                    "checks_cost_ms": cost * 1e3,
+                    "checks_cost_share": cost / statistics.median(unchecked)}
+        rows.append(row)
+    _print(args, planes, rows)
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "ttft", "model": args.model,
-                                         "torch_threads": args.torch_threads, "rows": rows},
-                                        indent=2))
+                                         "torch_threads": args.torch_threads, "planes": planes,
+                                         "rows": rows}, indent=2))
     return 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _print(args, planes: list[str], rows: list[dict]) -> None:
+    print(f"model {args.model}, {args.torch_threads} torch threads per service, medians of "
+          f"{args.repeats} rounds; exposed = TTFT(plane) - TTFT(local), paired per round")
+    print(f"{'prompt':>7} {'plane':>14} {'TTFT ms':>9} {'local ms':>9} {'exposed ms':>11} "
+          f"{'share':>7} {'handoff ms':>11} {'checks ms':>10} {'exposed (log)':>13}")
+    for r in rows:
+        for plane in planes:
+            c = r["planes"][plane]
+            print(f"{r['prompt_tokens']:>7} {plane:>14} {c['ttft_ms']:>9.1f} "
+                  f"{r['ttft_local_ms']:>9.1f} {c['exposed_ms']:>11.1f} "
+                  f"{c['exposed_share']:>6.1%} {_ms(c['handoff_log_ms']):>11} "
+                  f"{_ms(c['checks_log_ms']):>10} {_ms(c['exposed_log_ms']):>13}")
+    print("(from decode's log: handoff = queued to verified; exposed (log) = handoff - checks - "
+          "the local prefill's own time, medians, so noisier than the paired TTFTs)")
+    if args.compare_checks:
+        print(f"\n{'prompt':>7} {'TTFT unchecked ms':>18} {'paired cost ms':>15} "
+              f"{'cost / TTFT':>12}  ({planes[0]})")
+        for r in rows:
+            print(f"{r['prompt_tokens']:>7} {r['ttft_unchecked_ms']:>18.1f} "
+                  f"{r['checks_cost_ms']:>15.1f} {r['checks_cost_share']:>11.1%}")

@@ -11,6 +11,7 @@ import grpc
 from common.pb.kvhandoff.v1 import handoff_pb2
 from conformance.decode_binding_cases import binding_cases
 from conformance.decode_edits import (
+    chunk_with_reference,
     drop_chunk,
     duplicate_chunk,
     edit_chunk,
@@ -113,6 +114,8 @@ def decode_cases(stall_deadline: float = 3.0) -> list[DecodeCase]:
         _case("token_count_long", "D-07", "a consistent handoff of n+1 tokens",
               lambda i: handoff_of_length(i, i.ref.token_count + 1),
               refused("TOKEN_COUNT_MISMATCH")),
+        _case("reference_on_inline", "D-63", "an inline chunk also carries a shared-memory "
+              "reference", chunk_with_reference, refused("REFERENCE_UNEXPECTED")),
         _case("request_id_header", "D-05", "header names another request",
               lambda i: [i.ref.header_with(request_id="conf-someone-else"), *g(i)[1:]],
               refused("REQUEST_ID_MISMATCH")),

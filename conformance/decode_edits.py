@@ -170,3 +170,16 @@ def middle_kv(i: ScriptInput) -> tuple[bytes, bytes]:
 
 def middle_crc(i: ScriptInput) -> int:
     return i.good()[middle(i.good())].chunk.crc32c
+
+
+def chunk_with_reference(i: ScriptInput) -> list[Step]:
+    """The good (inline) handoff with one middle chunk also carrying a shared-memory reference
+    (its bytes and checksums unchanged; the reference names a well-formed region name)."""
+    frames = i.good()
+    at = middle(frames)
+    edited = Frame()
+    edited.CopyFrom(frames[at])
+    c = edited.chunk
+    c.ref.region = "kvh-" + "0" * 32
+    c.ref.k_offset, c.ref.v_offset, c.ref.length = 0, len(c.k), len(c.k)
+    return replace_frame(frames, at, edited)

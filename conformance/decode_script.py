@@ -10,7 +10,8 @@ import grpc
 
 from common.pb.kvhandoff.v1 import handoff_pb2
 from conformance.handoff_edit import Frame, Handoff
-from conformance.spec import DEFAULT_MAX_CHUNK_BYTES, REFUSAL_STATUS, rejected_status
+from conformance.spec import (DEFAULT_MAX_CHUNK_BYTES, PLANE_REFUSAL_STATUS, REFUSAL_STATUS,
+                              rejected_status)
 
 DEFAULT_PROMPT_TOKENS = 24
 
@@ -80,7 +81,7 @@ def tokens() -> Expect:
 
 
 def refused(reason: str) -> Expect:
-    return Expect(REFUSAL_STATUS[reason], reason)
+    return Expect(REFUSAL_STATUS.get(reason) or PLANE_REFUSAL_STATUS[reason], reason)
 
 
 def peer_rejected(reason_code: str) -> Expect:

@@ -52,6 +52,13 @@ REFUSAL_STATUS: dict[str, grpc.StatusCode] = {
     "KV_DEPTH_MISMATCH": C.DATA_LOSS,
 }
 
+# Decode's refusals specific to the data planes (SPEC.md section 10.3); the inline suite can
+# provoke REFERENCE_UNEXPECTED (a reference on an inline handoff, D-63).
+PLANE_REFUSAL_STATUS: dict[str, grpc.StatusCode] = {
+    "REGION_INVALID": C.DATA_LOSS,
+    "REFERENCE_UNEXPECTED": C.INTERNAL,
+}
+
 # Prefill's rejections: header.reason_code (= ErrorInfo reason) -> status of its gRPC error.
 # Decode passes the same status on to its client with reason PEER_REJECTED.
 REJECTION_STATUS: dict[str, grpc.StatusCode] = {

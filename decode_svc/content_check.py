@@ -78,6 +78,12 @@ class FiniteTracker:
         seen = self._flags.get(request_id)
         self._flags[request_id] = ok if seen is None else seen & ok
 
+    def observe_result(self, request_id: str, ok: bool) -> None:
+        """A chunk whose finiteness was already computed (decode_svc.finite_bits)."""
+        seen = self._flags.get(request_id)
+        flag = torch.tensor(ok)
+        self._flags[request_id] = flag if seen is None else seen & flag
+
     def all_finite(self, request_id: str) -> bool:
         flag = self._flags.get(request_id)
         return flag is None or bool(flag.item())

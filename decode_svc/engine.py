@@ -17,17 +17,23 @@ from collections import deque
 from collections.abc import Callable
 
 import grpc
+import numpy as np
 import torch
 
 from common.counters import Counters
 from common.errors import ServiceError
 from common.kvpool.allocator import PageOwnershipError
+from common.handoff.codec import bytes_to_kv
+from common.handoff.layout import KvLayout
+from common.kernels.pack_kv import unpack_kv_bytes_cpu
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
 from decode_svc.content_check import (ContentCheckConfig, FiniteTracker, check_content,
                                       refusal_if_not_finite)
-from decode_svc.engine_commands import Begin, Release, Reserve, Stop, Verify, Write
+from decode_svc.engine_commands import (Begin, Release, Reserve, Stop, Verify, Write,
+                                        WriteBytes)
+from decode_svc.finite_bits import all_finite_bytes
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
 
 
@@ -54,7 +60,8 @@ class DecodeEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._handlers: dict[type, Callable[[object], None]] = {
-            Reserve: self._on_reserve, Write: self._on_write, Verify: self._on_verify,
+            Reserve: self._on_reserve, Write: self._on_write, WriteBytes: self._on_write_bytes,
+            Verify: self._on_verify,
             Begin: self._on_begin, Release: self._on_release}
 
     # ---- called from the event loop (thread-safe) ----
@@ -80,6 +87,12 @@ class DecodeEngine:
     def write(self, request_id: str, layer: int, token_start: int, kv: torch.Tensor) -> None:
         """kv: [2, n, Hkv, D] on the CPU; ignored if the request no longer holds pages."""
         self.submit(Write(request_id, layer, token_start, kv))
+
+    def write_bytes(self, request_id: str, layer: int, token_start: int, num_tokens: int,
+                    k: np.ndarray, v: np.ndarray) -> None:
+        """A verified chunk's K and V bytes as received (decode's own copy, never a buffer a
+        peer can still change); ignored if the request no longer holds pages."""
+        self.submit(WriteBytes(request_id, layer, token_start, num_tokens, k, v))
 
     def verify(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
                done) -> None:
@@ -164,6 +177,30 @@ class DecodeEngine:
             self._finite.observe(request_id, buffer)
             self.model.ops.unpack_kv(buffer, self.pool.k[layer], self.pool.v[layer], table,
                                      token_start)
+        except Exception as exc:  # fail closed: this request must never decode over these pages
+            self._write_failed.add(request_id)
+            self.log.exception("kv_write_failed", request_id=request_id, layer=layer,
+                               error=str(exc))
+
+    def _on_write_bytes(self, command: WriteBytes) -> None:
+        """CPU pools: one copy from the received bytes into the pages (no tensor in between)
+        and the finiteness check on those bytes; other devices: the tensor path of Write."""
+        request_id, layer = command.request_id, command.layer
+        if not self.pool.allocator.holds(request_id):
+            return
+        k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+        try:
+            if k_cache.device.type != "cpu":
+                layout = KvLayout(self.pool.k.shape[0], k_cache.shape[2], k_cache.shape[3],
+                                  k_cache.dtype)
+                kv = bytes_to_kv(layout, command.k, command.v, command.num_tokens)
+                self._on_write(Write(request_id, layer, command.token_start, kv))
+                return
+            table = self.pool.allocator.page_table(request_id)
+            self._finite.observe_result(request_id, all_finite_bytes(command.k, k_cache.dtype)
+                                        and all_finite_bytes(command.v, k_cache.dtype))
+            unpack_kv_bytes_cpu(command.k, command.v, k_cache, v_cache, table,
+                                command.token_start, command.num_tokens)
         except Exception as exc:  # fail closed: this request must never decode over these pages
             self._write_failed.add(request_id)
             self.log.exception("kv_write_failed", request_id=request_id, layer=layer,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.sampling import SamplingConfig
@@ -38,6 +39,20 @@ class Write:
     layer: int
     token_start: int
     kv: torch.Tensor
+
+
+@dataclass(frozen=True)
+class WriteBytes:
+    """A received chunk as it arrived: k and v are uint8 arrays of num_tokens x Hkv x D values
+    each, little-endian, decode's own copy (the received frame, or what decode read out of a
+    region), for tokens [token_start, token_start + num_tokens) of layer; read only."""
+
+    request_id: str
+    layer: int
+    token_start: int
+    num_tokens: int
+    k: np.ndarray
+    v: np.ndarray
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
 from common.errors import error_reason
-from common.handoff.codec import bytes_to_kv
 from common.handoff.reasons import HandoffRefused, refuse
 from common.handoff.transfer import TransferRecord, TransferState
 from common.handoff.verifier import Expectation, HandoffState, HandoffVerifier
@@ -64,13 +64,17 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
     started = time.monotonic()
     try:
         async for frame in call:
-            chunk = verifier.on_frame(resolve(frame) if resolve is not None else frame)
+            chunk = verifier.on_frame(resolve(frame) if resolve is not None
+                                      else _inline_only(frame))
             if chunk is not None:
                 record.move(TransferState.TRANSFERRING)
                 received += len(chunk.k) + len(chunk.v)
-                count = chunk.token_end - chunk.token_start
-                kv = bytes_to_kv(expect.layout, chunk.k, chunk.v, count)
-                engine.write(expect.request_id, chunk.layer, chunk.token_start, kv)
+                # the verified bytes go to the engine as they are: decode's own copy (the
+                # received frame, or what a plane read out of its region), no tensor between
+                engine.write_bytes(expect.request_id, chunk.layer, chunk.token_start,
+                                   chunk.token_end - chunk.token_start,
+                                   np.frombuffer(chunk.k, dtype=np.uint8),
+                                   np.frombuffer(chunk.v, dtype=np.uint8))
                 record.bytes_landed = received
         landed = LandedKv(verifier.finish(), received, verifier.bound)
         record.move(TransferState.SUCCESS)
@@ -84,6 +88,17 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
         raise
     finally:
         call.cancel()  # a no-op once the call is done; stops prefill's work otherwise
+
+
+def _inline_only(frame):
+    """On the inline plane a chunk carries its bytes, never a reference (D-63): a reference
+    there names memory decode did not ask for, so the handoff is refused, nothing read. (The
+    wire codec's fast path only takes chunks without one; they reach here as protobuf.)"""
+    if (isinstance(frame, handoff_pb2.PrefillResponse) and frame.WhichOneof("frame") == "chunk"
+            and frame.chunk.HasField("ref")):
+        raise refuse("REFERENCE_UNEXPECTED", f"chunk {frame.chunk.sequence_number} carries a "
+                     "shared-memory reference on an inline handoff")
+    return frame
 
 
 class InlineReceiver(KvReceiver):

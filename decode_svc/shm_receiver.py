@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
+import numpy as np
 
 from common.handoff.codec import WireChunk, WireChunkFrame
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
@@ -58,8 +58,7 @@ class _Landing:
         if ref.length != tokens * layout.k_bytes_per_token_per_layer:
             return frame  # the verifier refuses the size (CHUNK_SIZE_MISMATCH)
         reader = self._reader(ref.region)
-        own = torch.empty((2, tokens, layout.num_kv_heads, layout.head_dim), dtype=layout.dtype)
-        flat = own.view(torch.uint8).view(2, -1).numpy()  # [2, length] decode's own memory
+        flat = np.empty((2, ref.length), dtype=np.uint8)  # [2, length] decode's own memory
         try:
             reader.read_into(ref.k_offset, flat[0])
             reader.read_into(ref.v_offset, flat[1])

@@ -314,7 +314,8 @@ class PrefillEngine:
         ops = self.model.ops
         for start in range(token_start, token_end, job.chunk_tokens):
             count = min(job.chunk_tokens, token_end - start)
-            kv = ops.pack_kv(self.pool.k[layer], self.pool.v[layer], table, start, count).cpu()
+            kv = job.sender.pack(ops, self.pool.k[layer], self.pool.v[layer], table, start,
+                                 count)
             frame = job.sender.chunk(job.request_id, job.chunks_sent, layer, start, kv,
                                      job.nonce)
             if frame is None or not self._send_budget.acquire(job.unsent, len(frame),

@@ -19,10 +19,12 @@ Invariants every sender keeps:
 from __future__ import annotations
 
 import abc
+import math
 
 import torch
 
 from common.handoff.codec import chunk_wire
+from common.kernels.pack_kv import pack_kv_cpu
 from common.handoff.transfer import TransferRecord, TransferState
 
 
@@ -32,6 +34,21 @@ class KvSender(abc.ABC):
 
     def __init__(self, request_id: str = "") -> None:
         self.record = TransferRecord(request_id, self.plane)
+        self._buffer: torch.Tensor | None = None  # pack's output, reused chunk after chunk
+
+    def pack(self, ops, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+             token_start: int, num_tokens: int) -> torch.Tensor:
+        """Tokens [token_start, token_start + num_tokens) of one layer's caches [P, S, Hkv, D]
+        -> [2, n, Hkv, D] on the CPU, for `chunk` (engine thread). Caches in CPU memory: one
+        copy, into a buffer this sender reuses (valid until the next pack: `chunk` copies or
+        writes the bytes out before it returns); elsewhere ops.pack_kv, then to the host."""
+        if k_cache.device.type != "cpu":
+            return ops.pack_kv(k_cache, v_cache, page_table, token_start, num_tokens).cpu()
+        shape = (2, num_tokens, *k_cache.shape[2:])
+        if self._buffer is None or self._buffer.numel() < math.prod(shape):
+            self._buffer = torch.empty(shape, dtype=k_cache.dtype)
+        out = self._buffer.view(-1)[:math.prod(shape)].view(shape)
+        return pack_kv_cpu(k_cache, v_cache, page_table, token_start, out)
 
     @abc.abstractmethod
     def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import threading
 
-import google_crc32c
 import torch
 
+from common.handoff.crc import payload_crc32c
 from common.handoff.binding import chunk_checksum, chunk_metadata
 from common.handoff.codec import frame_wire, kv_buffers
 from common.handoff.layout import KvLayout
@@ -56,7 +56,7 @@ class SharedMemorySender(KvSender):
             self._cursor = v_offset + len(v)
             name = self._region.name
         token_end = token_start + kv.shape[1]
-        crc = google_crc32c.extend(google_crc32c.value(k), v)
+        crc = payload_crc32c(k, v)
         meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
         return frame_wire(handoff_pb2.PrefillResponse(chunk=handoff_pb2.KvChunk(
             request_id=request_id, sequence_number=sequence_number, layer=layer,

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import google_crc32c
 import numpy as np
 import torch
 
+from common.handoff.crc import payload_crc32c
 from common.handoff.binding import chunk_checksum, chunk_metadata, commit_checksum
 from common.handoff.layout import KvLayout, protocol_version
 from common.pb.kvhandoff.v1 import handoff_pb2
@@ -53,7 +53,7 @@ def chunk_frame(request_id: str, sequence_number: int, layer: int, token_start: 
     """kv: [2, n, Hkv, D] on the CPU; both checksums set."""
     k, v = tensor_bytes(kv[0]), tensor_bytes(kv[1])
     token_end = token_start + kv.shape[1]
-    crc = google_crc32c.extend(google_crc32c.value(k), v)
+    crc = payload_crc32c(k, v)
     meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
     chunk = handoff_pb2.KvChunk(
         request_id=request_id, sequence_number=sequence_number, layer=layer,
@@ -120,7 +120,7 @@ def chunk_wire(request_id: str, sequence_number: int, layer: int, token_start: i
     payload is read once for both."""
     k, v = kv_buffers(kv)
     token_end = token_start + kv.shape[1]
-    crc = google_crc32c.extend(google_crc32c.value(k), v)
+    crc = payload_crc32c(k, v)
     meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
     return encode_chunk(request_id, sequence_number, layer, token_start, token_end, k, v, crc,
                         nonce, chunk_checksum(crc, meta))

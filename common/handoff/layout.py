@@ -20,7 +20,7 @@ PROTOCOL_MINOR = 1
 # The first minor version whose handoffs are bound to their request (nonce, digest, checksums).
 PROTOCOL_MINOR_BOUND = 1
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20
-TARGET_CHUNK_BYTES = 1 << 20
+TARGET_CHUNK_BYTES = 4 << 20
 
 _DTYPES = {
     torch.float32: common_pb2.KV_DTYPE_FLOAT32,

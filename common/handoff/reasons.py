@@ -65,7 +65,8 @@ REJECTION_CODES: dict[str, grpc.StatusCode] = {
 }
 
 # Refusals of out-of-band planes (SPEC.md section 10.3): the bytes a chunk refers to could not
-# be landed. Listed apart from REFUSAL_CODES: the inline conformance suite cannot provoke them.
+# be landed. Listed apart from REFUSAL_CODES (SPEC 10.3); of these the inline conformance suite
+# provokes only REFERENCE_UNEXPECTED (a reference on an inline handoff).
 PLANE_REFUSAL_CODES: dict[str, grpc.StatusCode] = {
     "REGION_INVALID": C.DATA_LOSS,
     "REFERENCE_UNEXPECTED": C.INTERNAL,

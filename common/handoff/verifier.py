@@ -9,8 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import google_crc32c
 
+from common.handoff.crc import payload_crc32c
 from common.handoff.binding import chunk_checksum, chunk_metadata, commit_checksum
 from common.handoff.layout import (DEFAULT_MAX_CHUNK_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND,
                                    KvLayout, describe_layout)
@@ -184,7 +184,7 @@ class HandoffVerifier:
         if coverage.find(1, start, end) != -1:
             raise self._fail("CHUNK_OVERLAP", f"layer {chunk.layer} tokens [{start}, {end}) "
                              f"overlap a chunk already received")
-        crc = google_crc32c.extend(google_crc32c.value(chunk.k), chunk.v)
+        crc = payload_crc32c(chunk.k, chunk.v)
         if crc != chunk.crc32c:
             raise self._fail("CHECKSUM_MISMATCH", f"chunk {chunk.sequence_number} crc32c "
                              f"{chunk.crc32c:#010x}, computed {crc:#010x}")

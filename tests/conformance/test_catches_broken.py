@@ -25,6 +25,7 @@ DECODE_VARIANTS = {
                                       "commit_checksum_field", "first_token_forged_unsealed"},
                                      "good_passthrough"),
     "decode_accepts_protocol_1_0": ({"version_1_0"}, "good_passthrough"),
+    "decode_ignores_reference_on_inline": ({"reference_on_inline"}, "good_passthrough"),
     "decode_skips_finite_check": ({"kv_nan", "kv_inf"}, "good_passthrough"),
     "decode_skips_layer0_check": ({"kv_placeholder_padded", "kv_other_prompt",
                                    "kv_layer0_zero"}, "good_passthrough"),

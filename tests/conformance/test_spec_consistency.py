@@ -6,11 +6,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from common.handoff.reasons import REFUSAL_CODES, REJECTION_CODES
+from common.handoff.reasons import PLANE_REFUSAL_CODES, REFUSAL_CODES, REJECTION_CODES
 from conformance.decode_cases import decode_cases
 from conformance.decode_suite import suite_cases
 from conformance.prefill_suite import prefill_cases
-from conformance.spec import REFUSAL_STATUS, REJECTION_STATUS
+from conformance.spec import PLANE_REFUSAL_STATUS, REFUSAL_STATUS, REJECTION_STATUS
 
 SPEC = (Path(__file__).resolve().parents[2] / "protos" / "kvhandoff" / "v1" / "SPEC.md").read_text()
 ROW = re.compile(r"^\| ([A-Z][A-Z0-9_]+) \| ([^|]+) \| ([^|]+) \|$", re.MULTILINE)
@@ -24,6 +24,7 @@ def _table(heading: str) -> dict[str, tuple[str, str]]:
 def test_suite_tables_match_our_services():
     assert REFUSAL_STATUS == REFUSAL_CODES
     assert REJECTION_STATUS == REJECTION_CODES
+    assert PLANE_REFUSAL_STATUS == PLANE_REFUSAL_CODES
 
 
 def test_spec_tables_match_the_suite():
@@ -32,6 +33,9 @@ def test_spec_tables_match_the_suite():
     for reason, code in REFUSAL_STATUS.items():
         if reason != "PEER_REJECTED":  # its status comes from the rejection table
             assert refusals[reason][0] == code.name, reason
+    planes = _table("### 10.3")
+    assert {r: s for r, (s, _) in planes.items()} == {
+        r: c.name for r, c in PLANE_REFUSAL_STATUS.items()}
     rejections = _table("### 7.2")
     assert {r: s for r, (s, _) in rejections.items()} == {
         r: c.name for r, c in REJECTION_STATUS.items()}
@@ -57,4 +61,5 @@ def test_case_ids_are_unique_and_every_refusal_has_a_case():
         ids = [c.case_id for c in cases]
         assert len(ids) == len(set(ids))
     covered = {c.expect.reason for c in decode_cases() if c.expect.code is not None}
-    assert covered == set(REFUSAL_STATUS)
+    # every 7.1 refusal, and of the plane refusals (10.3) the one an inline peer can provoke
+    assert covered == set(REFUSAL_STATUS) | {"REFERENCE_UNEXPECTED"}

@@ -6,6 +6,7 @@ variant) and `docker compose config` where a compose binary exists."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -87,12 +88,29 @@ def wait_healthy(name: str, service: dict, proc: subprocess.Popen, log: Path) ->
     raise AssertionError(f"{name} not healthy after {START_TIMEOUT}s:\n{log.read_text()[-3000:]}")
 
 
+def _events(log: Path) -> list[dict]:
+    """The JSON log lines of a service (other output skipped)."""
+    events = []
+    for line in log.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and "event" in event:
+            events.append(event)
+    return events
+
+
 @pytest.fixture(scope="module")
-def interpolation_env() -> dict[str, str]:
-    """What a user would export: the demo model and (here) free ports."""
+def interpolation_env(tmp_path_factory) -> dict[str, str]:
+    """What a user would export: the demo model and (here) free ports, and a private directory
+    standing in for the shared tmpfs volume (both local processes see the same one, as both
+    containers mount the same volume)."""
+    shm = tmp_path_factory.mktemp("kvh-shm")
+    shm.chmod(0o700)
     return {"KVHANDOFF_MODEL": "demo", "PREFILL_PORT": str(free_port()),
             "DECODE_PORT": str(free_port()), "PREFILL_METRICS_PORT": str(free_port()),
-            "DECODE_METRICS_PORT": str(free_port())}
+            "DECODE_METRICS_PORT": str(free_port()), "KVHANDOFF_SHM_DIR": str(shm)}
 
 
 @pytest.mark.slow
@@ -119,6 +137,14 @@ def test_compose_services_run_locally_and_generate(tmp_path, interpolation_env):
             port = compose.environment(services[name])["KVHANDOFF_METRICS_PORT"]
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
             assert f'kvhandoff_pool_pages{{model_name="demo",role="{name}"}}'.encode() in body
+        # compose's settings put the handoff on the shared-memory plane: decode chose it at
+        # the handshake and served the request over it, and no region is left behind
+        events = _events(tmp_path / "decode.log")
+        assert [e["plane"] for e in events if e["event"] == "data_plane_chosen"] == [
+            "shared-memory"], events[-5:]
+        assert [e["plane"] for e in events if e["event"] == "handoff_verified"] == [
+            "shared-memory"]
+        assert not list(Path(interpolation_env["KVHANDOFF_SHM_DIR"]).glob("kvh-*"))
         grace = seconds(services["decode"]["stop_grace_period"])
         for name in reversed(order):
             procs[name].send_signal(signal.SIGTERM)
@@ -141,6 +167,29 @@ def test_compose_reserves_one_gpu_per_service_and_mounts_models_read_only():
         assert compose.environment(services[name])["KVHANDOFF_MODEL"] == "/models"
     assert ids == ["0", "1"]
     assert services["decode"]["depends_on"] == {"prefill": {"condition": "service_healthy"}}
+
+
+def test_compose_shares_one_shm_volume_at_one_path_with_one_uid():
+    """The shared-memory plane's needs: the same tmpfs volume at the same --shm-dir in both
+    containers, the same uid (regions are 0600, owner-checked), decode on --data-plane auto."""
+    model = compose.load([COMPOSE], {})
+    services = model["services"]
+    for name in ("prefill", "decode"):
+        service = services[name]
+        env = compose.environment(service)
+        assert env["KVHANDOFF_SHM_DIR"] == "/kvh-shm"
+        assert "kvh-shm:/kvh-shm" in service["volumes"]
+        assert service["user"] == "10001:10001"
+    assert compose.environment(services["decode"])["KVHANDOFF_DATA_PLANE"] == "auto"
+    assert "KVHANDOFF_DATA_PLANE" not in compose.environment(services["prefill"])
+    volume = model["volumes"]["kvh-shm"]
+    assert volume["driver_opts"]["type"] == "tmpfs"
+    opts = dict(o.split("=", 1) for o in volume["driver_opts"]["o"].split(","))
+    assert opts["uid"] == "10001" and opts["mode"] == "0700"
+    moved = compose.load([COMPOSE], {"KVHANDOFF_SHM_DIR": "/run/kvh"})["services"]
+    for name in ("prefill", "decode"):  # one knob moves the mount and the flag together
+        assert compose.environment(moved[name])["KVHANDOFF_SHM_DIR"] == "/run/kvh"
+        assert "kvh-shm:/run/kvh" in moved[name]["volumes"]
 
 
 def test_compose_knobs_come_from_the_environment():

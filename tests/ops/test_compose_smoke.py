@@ -132,7 +132,8 @@ def test_image_healthcheck_probes_the_entrypoint_ports():
 def _k8s_resources() -> list[Path]:
     yaml = pytest.importorskip("yaml")
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    return [K8S / name for name in kustomization["resources"]]
+    # colocated.yaml: the one-pod alternative for the shared-memory plane, applied on its own
+    return [K8S / name for name in kustomization["resources"]] + [K8S / "colocated.yaml"]
 
 
 def test_k8s_manifests_validate_against_the_schemas(tmp_path):

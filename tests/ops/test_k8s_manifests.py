@@ -78,3 +78,40 @@ def test_configmap_settings_pass_the_services_checks(role, tmp_path, capsys, mon
     assert main(["config", "show", role, "--config", str(path)]) == 0
     config = json.loads(capsys.readouterr().out)
     assert config["service"]["model"] == "/models" and config["service"]["host"] == "0.0.0.0"
+
+
+def _colocated() -> list[dict]:
+    return [d for d in yaml.safe_load_all((K8S / "colocated.yaml").read_text()) if d]
+
+
+def test_decode_picks_the_fastest_plane_both_sides_can_use():
+    assert tomllib.loads(_config_toml())["decode"]["data_plane"] == "auto"
+
+
+def test_colocated_pair_shares_one_tmpfs_at_one_path_with_one_uid():
+    """The shared-memory plane's needs in one pod: an in-memory emptyDir mounted at the same
+    path in both containers and named by both as their shm dir, one uid for both (regions are
+    0600, owner-checked), decode dialing prefill on the pod's loopback."""
+    (deployment,) = [d for d in _colocated() if d["kind"] == "Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["securityContext"]["runAsUser"] == 10001
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert set(containers) == {"prefill", "decode"}
+    for name, container in containers.items():
+        assert container["command"] == ["kvhandoff", name]
+        assert "runAsUser" not in container.get("securityContext", {}), name  # pod's uid
+        env = {e["name"]: e["value"] for e in container["env"]}
+        known = {ENV_PREFIX + f.upper() for f in role_fields(name)} | {"KVHANDOFF_CONFIG"}
+        assert set(env) <= known, set(env) - known
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == env[
+            "KVHANDOFF_SHM_DIR"]]
+        assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+        assert mount["name"] == "kvh-shm" and not mount.get("readOnly")
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    decode_env = {e["name"]: e["value"] for e in containers["decode"]["env"]}
+    assert decode_env["KVHANDOFF_PREFILL_TARGET"] == f"127.0.0.1:{PORTS['prefill']}"
+    prefill_env = {e["name"]: e["value"] for e in containers["prefill"]["env"]}
+    assert prefill_env["KVHANDOFF_PORT"] == str(PORTS["prefill"])
+    (service,) = [d for d in _colocated() if d["kind"] == "Service"]
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]

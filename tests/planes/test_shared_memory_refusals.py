@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import grpc
-import pytest
 import torch
 
 from common.counters import Counters
@@ -19,7 +19,6 @@ from common.handoff.layout import KvLayout
 from common.handoff.reasons import HandoffRefused
 from common.handoff.transfer import TransferRecord, TransferState
 from common.handoff.verifier import Expectation
-from common.kvpool.kv_cache import PoolConfig
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig
 from decode_svc.engine_answer import engine_answer
@@ -70,20 +69,6 @@ class FakeClient:
     async def release(self, request_id, nonce, timeout):
         self.released.append((request_id, nonce))
         return True
-
-
-@pytest.fixture
-def harness():
-    h = Harness(PoolConfig(pool_tokens=256, page_size=16))
-    yield h
-    h.close()
-
-
-@pytest.fixture
-def shm(tmp_path):
-    directory = tmp_path / "shm"
-    directory.mkdir(mode=0o700)
-    return directory
 
 
 def _layout(h: Harness) -> KvLayout:
@@ -288,29 +273,59 @@ def test_each_chunk_is_read_when_its_reference_arrives(harness, shm):
     sender.release(False)
 
 
+class LandingPaced(FakeClient):
+    """Yields each frame only once every chunk before it has landed in decode's pages (the
+    engine thread lands them), so the peer's rewrite around one landing never overlaps the
+    read of the next chunk."""
+
+    def __init__(self, frames: list[bytes], landed: list) -> None:
+        super().__init__(frames)
+        self.landed = landed
+
+    def prefill(self, request, timeout):
+        call = super().prefill(request, timeout)
+        inner = call._frames
+
+        async def frames():
+            chunks = 0
+            async for frame in inner():
+                deadline = time.monotonic() + 30
+                while len(self.landed) < chunks:
+                    assert time.monotonic() < deadline, "a chunk never landed"
+                    await asyncio.sleep(0.002)
+                yield frame
+                chunks += frame.WhichOneof("frame") == "chunk"
+        call._frames = frames
+        return call
+
+
 def test_decode_lands_its_own_copy_not_the_shared_source(harness, shm, monkeypatch):
-    """The peer zeroes the region between the checksum check and the copy into the write
-    buffer of every chunk, then restores it: what lands is still prefill's KV, because both read
-    decode's copy."""
-    import decode_svc.handoff as handoff
+    """The peer zeroes the region while the engine copies each chunk into decode's pages (after
+    the checksum check), then restores it: what lands is still prefill's KV, because both the
+    check and the landing read decode's copy."""
+    import decode_svc.engine as engine_module
 
     nonce = new_nonce()
     frames, sender, kv = _handoff(harness, shm, "copy", nonce)
     path = shm / sender.region_name
     source = path.read_bytes()
-    original = handoff.bytes_to_kv
+    original = engine_module.unpack_kv_bytes_cpu
+    landings = []
 
     def rewritten_then_copied(*args):
-        path.write_bytes(bytes(len(source)))  # zeros while decode copies into its write buffer
+        path.write_bytes(bytes(len(source)))  # zeros while decode copies into its pages
         try:
             return original(*args)
         finally:
             path.write_bytes(source)  # back, so the next chunk's check passes
+            landings.append(args[5])  # token_start: the hook really ran for every chunk
 
-    monkeypatch.setattr(handoff, "bytes_to_kv", rewritten_then_copied)
-    landed, record = _run(harness, FakeClient(frames), shm, "copy", nonce)
+    monkeypatch.setattr(engine_module, "unpack_kv_bytes_cpu", rewritten_then_copied)
+    landed, record = _run(harness, LandingPaced(frames, landings), shm, "copy", nonce)
     assert record.state == TransferState.SUCCESS, landed
-    for got, want in zip(_landed_kv(harness, "copy"), kv, strict=True):
+    got_kv = _landed_kv(harness, "copy")  # after every write (the engine runs them in order)
+    assert len(landings) == len(frames) - 2  # every chunk (all frames but header and commit)
+    for got, want in zip(got_kv, kv, strict=True):
         assert torch.equal(got, want)
     harness.engine.release("copy")
     sender.release(True)

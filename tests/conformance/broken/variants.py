@@ -128,6 +128,13 @@ def decode_accepts_protocol_1_0() -> None:
     _patch(HandoffVerifier, "_check_header_binding", make)
 
 
+def decode_ignores_reference_on_inline() -> None:
+    """D-63 broken: an inline chunk that also carries a shared-memory reference is accepted."""
+    import decode_svc.handoff as handoff
+
+    _patch_module(handoff, "_inline_only", lambda original: (lambda frame: frame))
+
+
 def decode_skips_finite_check() -> None:
     """D-45 broken: non-finite KV values are not looked for."""
     import decode_svc.engine as engine
@@ -393,8 +400,8 @@ def prefill_layer0_everywhere() -> None:
 
     def make(original):
         def chunk_wire(request_id, sequence_number, layer, token_start, kv, nonce=b""):
-            if layer == 0:
-                layer0[(request_id, token_start)] = kv
+            if layer == 0:  # a copy: the sender reuses its pack buffer for the next chunk
+                layer0[(request_id, token_start)] = kv.clone()
             else:
                 kv = layer0.get((request_id, token_start), kv)
             return original(request_id, sequence_number, layer, token_start, kv, nonce)
@@ -435,6 +442,7 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "decode_ignores_digest": ("decode", decode_ignores_digest),
     "decode_skips_frame_checksums": ("decode", decode_skips_frame_checksums),
     "decode_accepts_protocol_1_0": ("decode", decode_accepts_protocol_1_0),
+    "decode_ignores_reference_on_inline": ("decode", decode_ignores_reference_on_inline),
     "decode_skips_finite_check": ("decode", decode_skips_finite_check),
     "decode_skips_layer0_check": ("decode", decode_skips_layer0_check),
     "decode_skips_depth_check": ("decode", decode_skips_depth_check),
