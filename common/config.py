@@ -60,6 +60,7 @@ class PrefillConfig:
     max_unsent_bytes: int = 512 << 20
     shared_memory: bool = True  # offer the shared-memory plane (same host only)
     release_grace_s: float = 5.0  # how long out-of-band bytes outlive their stream unreleased
+    nixl: bool = True  # offer the NIXL plane (when the nixl-cu12 wheel loads and TLS allows)
 
 
 @dataclass(frozen=True)
@@ -79,4 +80,5 @@ class DecodeConfig:
     allow_protocol_1_0: bool = False
     content_checks: bool = True
     verify_depth_positions: int = 4
-    data_plane: str = "inline"  # inline, shared-memory, or auto (the fastest both sides offer)
+    data_plane: str = "inline"  # inline, shared-memory, nixl, or auto (the fastest both offer)
+    nixl_read_timeout_s: float = 5.0  # a NIXL READ of one chunk not done by then is refused

@@ -68,13 +68,14 @@ def _pool_line(address: str) -> str:
 def _plane_line(address: str, wanted: str) -> str:
     """The plane decode agreed on: the same choice (common.handoff.planes) from the same info,
     on the same host, with decode's defaults (no TLS, /dev/shm)."""
+    from common.handoff.nixl_agent import nixl_available
     from common.handoff.planes import DEFAULT_SHM_DIR, choose_plane
     from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         info = handoff_pb2_grpc.HandoffServiceStub(channel).GetPrefillInfo(
             handoff_pb2.GetPrefillInfoRequest(), timeout=5)
-    return choose_plane(info, wanted, DEFAULT_SHM_DIR, True)
+    return choose_plane(info, wanted, DEFAULT_SHM_DIR, True, nixl_available()[0])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -113,7 +114,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     p.add_argument("--prefill-args", default="", help="extra flags for prefill, one string")
     p.add_argument("--decode-args", default="", help="extra flags for decode, one string")
-    p.add_argument("--data-plane", default="auto", choices=("auto", "inline", "shared-memory"),
+    p.add_argument("--data-plane", default="auto",
+                   choices=("auto", "inline", "shared-memory", "nixl"),
                    help="how KV travels; auto: the fastest plane both sides offer")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds each service may take to start")
