@@ -130,9 +130,11 @@ class _Landing:
                              f"{MAX_BUFFERS_PER_HANDOFF} NIXL buffers")
             try:
                 peer = self.receiver.agent.add_remote(bytes(ref.nixl_buffer_metadata))
-            except Exception as err:
-                raise refuse("REGION_INVALID", f"chunk {seq}: prefill's NIXL buffer metadata "
-                             f"does not load: {type(err).__name__}") from err
+            except Exception as err:  # a backend error: prefill's agent cannot be reached
+                reason = ("TRANSFER_FAILED" if "Backend" in type(err).__name__
+                          else "REGION_INVALID")
+                raise refuse(reason, f"chunk {seq}: prefill's NIXL buffer metadata does not "
+                             f"load: {type(err).__name__}") from err
             known = self.buffers[ref.nixl_address] = (peer, size)
         if known is None or known[1] != size:
             raise refuse("REGION_INVALID", f"chunk {seq} refers to a NIXL buffer no earlier "
