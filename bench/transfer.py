@@ -301,6 +301,8 @@ def main(argv: list[str]) -> int:
 
         results = run_async(lambda: measure(layout, sizes, args.repeats, grpc_port,
                                             socket_port, progress, shm_port))
+        from bench.transfer_nixl import add_nixl_rows  # the NIXL plane's rows, its own process
+        add_nixl_rows(layout, sizes, args.repeats, results, args.torch_threads, progress)
         print(file=sys.stderr)
     finally:
         parent.send("stop")
