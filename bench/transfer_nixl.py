@@ -26,7 +26,7 @@ from bench.bare_nixl import ANSWER, serve_in_process
 from bench.synthetic_prefill import FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, SyntheticSpec
 from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
-from common.handoff.nixl_agent import DONE, IN_FLIGHT, NixlAgent, open_agent
+from common.handoff.nixl_agent import DONE, IN_FLIGHT, LOOPBACK_UCX, NixlAgent, open_agent
 from common.handoff.transfer import TransferRecord
 from common.handoff.verifier import Expectation
 from common.pb.kvhandoff.v1 import handoff_pb2
@@ -34,7 +34,6 @@ from common.sampling import SamplingConfig
 from decode_svc.kv_receiver import HandoffJob
 from decode_svc.nixl_receiver import NixlReceiver
 
-LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "sm,tcp,self"}
 PIECE = 4 << 20
 
 

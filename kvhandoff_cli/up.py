@@ -149,6 +149,9 @@ def up(argv: list[str]) -> int:
     if args.allow_context_beyond_pool:
         common.append("--allow-context-beyond-pool")
     cli = [sys.executable, "-m", "kvhandoff_cli.main"]
+    from common.handoff.nixl_agent import LOOPBACK_UCX  # both services on this host: NIXL's
+    for key, value in LOOPBACK_UCX.items():            # UCX stays on it unless told otherwise
+        os.environ.setdefault(key, value)
     services: list[ServiceProcess] = []
     children: list[ChildStderr] = []
     stopping = False

@@ -21,6 +21,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# UCX confined to this host: its TCP transport only on the loopback interface (connection
+# setup), the bytes over shared memory. What `kvhandoff up`, the benchmarks and the tests use
+# unless the environment already sets these variables (docs/operations.md).
+LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "sm,tcp,self"}
+
 DONE = "DONE"
 IN_FLIGHT = "PROC"
 FAILED = "ERR"

@@ -13,9 +13,7 @@ import os
 
 import pytest
 
-from common.handoff.nixl_agent import open_agent
-
-LOOPBACK_UCX = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "sm,tcp,self"}
+from common.handoff.nixl_agent import LOOPBACK_UCX, open_agent
 
 
 def use_loopback_ucx() -> None:
