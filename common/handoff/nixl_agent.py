@@ -15,6 +15,8 @@ says it could not be and the caller must keep the destination memory away from a
 from __future__ import annotations
 
 import importlib
+import logging
+import os
 import threading
 import uuid
 from dataclasses import dataclass
@@ -43,7 +45,10 @@ class Registration:
 
 
 def _nixl_api():
-    return importlib.import_module("nixl_cu12._api")
+    api = importlib.import_module("nixl_cu12._api")
+    if not os.environ.get("NIXL_LOG_LEVEL"):  # its INFO lines go to stdout, among our logs
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+    return api
 
 
 def nixl_available() -> tuple[bool, str]:

@@ -181,6 +181,11 @@ def test_a_peer_killed_mid_transfer_is_refused(harness, receiver, peer, at):
     err = _refused(harness, receiver, _KillingList(frames, peer, at), nonce, "killed")
     assert (err.reason, err.code) == ("TRANSFER_FAILED", grpc.StatusCode.UNAVAILABLE)
     assert "chunk" in err.message
+    restarted = NixlPeer(_layout(harness))  # prefill restarted: decode serves it
+    try:
+        _good(harness, receiver, restarted, "after-kill")
+    finally:
+        restarted.close()
 
 
 def test_a_reference_past_its_buffer_is_refused_before_any_read(harness, receiver, peer):
