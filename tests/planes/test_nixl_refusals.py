@@ -242,3 +242,19 @@ def test_a_release_that_never_comes_frees_the_buffer_after_the_grace(harness, ag
         assert sender.chunk("never", 1, 0, CHUNK_TOKENS, kv[0][:, :4].contiguous(), nonce) is None
     finally:
         plane.close()
+
+
+def test_decode_unloads_a_peer_once_it_holds_many_buffer_sections(harness, receiver, peer,
+                                                                   monkeypatch):
+    """NIXL's lookups slow with every buffer section loaded: decode drops the peer after
+    MAX_SECTIONS_PER_PEER of them, when no handoff uses it, and reconnects on the next."""
+    monkeypatch.setattr("decode_svc.nixl_receiver.MAX_SECTIONS_PER_PEER", 2)
+    removed = []
+    real = receiver.agent.remove_remote
+    monkeypatch.setattr(receiver.agent, "remove_remote",
+                        lambda name: (removed.append(name), real(name)))
+    _good(harness, receiver, peer, "one")
+    assert removed == []
+    _good(harness, receiver, peer, "two")
+    assert len(removed) == 1 and receiver._sections == {} and receiver._users == {}
+    _good(harness, receiver, peer, "three")  # reconnected from the next handoff's metadata
