@@ -32,6 +32,7 @@ from common.handoff.planes import NIXL, TO_PROTO
 from common.handoff.reasons import refuse
 from common.handoff.transfer import TransferRecord
 from common.handoff.verifier import Expectation
+from common.server.loopback import is_loopback_target
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import handoff_budget, receive_handoff
@@ -262,7 +263,7 @@ def nixl_receivers(config: DecodeConfig, client: PrefillClient, engine: DecodeEn
         return {}
     if svc.tls_cert and not svc.allow_planes_without_tls:
         return {}
-    agent, why = open_agent("decode")
+    agent, why = open_agent("decode", is_loopback_target(config.prefill_target))
     if agent is None:
         log.info("nixl_unavailable", message=f"decode does not use the NIXL plane: {why}")
         return {}

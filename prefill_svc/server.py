@@ -101,7 +101,7 @@ def plane_offer(config: PrefillConfig, log) -> PlaneOffer:
             log.info("planes_off", message="TLS is configured and the shared-memory and NIXL "
                      "planes bypass it; start with --allow-planes-without-tls to offer them")
         return PlaneOffer(release_grace_s=config.release_grace_s)
-    nixl = nixl_plane(log) if config.nixl else None
+    nixl = nixl_plane(log, is_loopback_host(svc.host)) if config.nixl else None
     host_id = host_identity(svc.shm_dir) if config.shared_memory else ""
     if config.shared_memory and not host_id:
         log.warning("shared_memory_unusable", shm_dir=svc.shm_dir,
@@ -109,8 +109,10 @@ def plane_offer(config: PrefillConfig, log) -> PlaneOffer:
     return PlaneOffer(host_id, svc.shm_dir if host_id else "", config.release_grace_s, nixl)
 
 
-def nixl_plane(log) -> NixlPlane | None:
-    agent, why = open_agent("prefill")
+def nixl_plane(log, loopback: bool) -> NixlPlane | None:
+    """loopback: prefill listens on loopback only, so its decodes are on this host and UCX is
+    kept on it (unless UCX_NET_DEVICES/UCX_TLS are set)."""
+    agent, why = open_agent("prefill", loopback)
     if agent is None:
         log.info("nixl_unavailable", message=f"the NIXL plane is not offered: {why}")
         return None

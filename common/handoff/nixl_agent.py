@@ -60,8 +60,14 @@ def nixl_available() -> tuple[bool, str]:
     return True, ""
 
 
-def open_agent(role: str) -> tuple[NixlAgent | None, str]:
-    """A fresh agent named '<role>-<random>' with the UCX backend, or (None, why)."""
+def open_agent(role: str, loopback: bool = False) -> tuple[NixlAgent | None, str]:
+    """A fresh agent named '<role>-<random>' with the UCX backend, or (None, why).
+    loopback: the peer is on this host (the service listens on, or dials, loopback only), so
+    UCX is confined to it (LOOPBACK_UCX) unless the environment already says otherwise; without
+    it, UCX listens on every interface it finds."""
+    if loopback:
+        for key, value in LOOPBACK_UCX.items():
+            os.environ.setdefault(key, value)
     ok, why = nixl_available()
     if not ok:
         return None, why
