@@ -166,10 +166,15 @@ class _Landing:
             raise refuse("TRANSFER_FAILED", f"chunk {seq}: the NIXL READ could not be posted: "
                          f"{type(err).__name__}: {err}") from err
         polls = 0
-        while state == IN_FLIGHT and time.monotonic() < deadline:
-            polls += 1
-            await asyncio.sleep(0 if polls < SPIN_POLLS else POLL_PAUSE_S)
-            state = agent.state(handle)
+        try:
+            while state == IN_FLIGHT and time.monotonic() < deadline:
+                polls += 1
+                await asyncio.sleep(0 if polls < SPIN_POLLS else POLL_PAUSE_S)
+                state = agent.state(handle)
+        except BaseException:  # cancelled (the client left) mid-READ: it may still land
+            self.tainted = True
+            agent.release(handle)
+            raise
         if state == DONE:
             agent.release(handle)
             return

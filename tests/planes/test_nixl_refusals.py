@@ -75,7 +75,8 @@ def _handoff(h: Harness, peer: NixlPeer, request_id: str, nonce: bytes):
     return frames, kv
 
 
-def _run(h: Harness, receiver: NixlReceiver, client: FakeClient, request_id: str, nonce: bytes):
+def _run(h: Harness, receiver: NixlReceiver, client: FakeClient, request_id: str, nonce: bytes,
+         cancel_after: float | None = None):
     receiver.client, receiver.engine = client, h.engine
     record = TransferRecord(request_id, "nixl")
 
@@ -85,9 +86,13 @@ def _run(h: Harness, receiver: NixlReceiver, client: FakeClient, request_id: str
                              h.model.config.vocab_size, nonce, prompt_digest(PROMPT))
         request = handoff_pb2.PrefillRequest(request_id=request_id, token_ids=PROMPT,
                                              nonce=nonce)
+        task = asyncio.ensure_future(receiver.receive(
+            HandoffJob(request, expect, SamplingConfig(), 30.0), record))
         try:
-            return await receiver.receive(HandoffJob(request, expect, SamplingConfig(), 30.0),
-                                          record)
+            if cancel_after is not None:  # the client leaves mid-handoff
+                await asyncio.sleep(cancel_after)
+                task.cancel()
+            return await task
         finally:
             await asyncio.sleep(0)
             await asyncio.gather(*receiver._releases)
@@ -172,6 +177,23 @@ class _KillingList(list):
             if i == self.at:
                 self.peer.kill()
             yield frame
+
+
+def test_a_handoff_cancelled_mid_read_never_returns_the_buffer_the_read_may_land_in(
+        harness, receiver, peer):
+    baseline = harness.pages_free()
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "cancelled", nonce)
+    peer.ask("stall")
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            _run(harness, receiver, FakeClient(frames), "cancelled", nonce, cancel_after=0.5)
+    finally:
+        peer.ask("resume")
+    assert len(receiver.staging.quarantined) == 1
+    harness.engine.release("cancelled")
+    assert harness.pages_free() == baseline
+    _good(harness, receiver, peer, "after-cancel")
 
 
 @pytest.mark.parametrize("at", [1, 3])
