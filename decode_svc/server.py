@@ -166,7 +166,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                              limits=capacity_gauges(
                                  runtime.capacity,
                                  lambda: state.limits.prefill_max_prompt if state.limits else 0))
-    nixl = nixl_receivers(config, client, engine, counters, log)
+    nixl = nixl_receivers(config, client, engine, counters, log)  # {} or {NIXL: receiver}
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
         runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
@@ -206,8 +206,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     engine.start()
     task = asyncio.ensure_future(
         agree_locally(config, runtime, state, health, SERVICE_NAMES, log) if config.local_prefill
-        else handshake(config, runtime, client, state, health, log,
-                       NIXL in nixl))
+        else handshake(config, runtime, client, state, health, log, NIXL in nixl))
     log.info("listening", role="decode", address=f"{svc.host}:{port}", metrics_port=metrics_port,
              prefill=config.prefill_target)
     return RunningDecode(server, port, health, engine, client, task, metrics_port, log)
