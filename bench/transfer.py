@@ -23,7 +23,6 @@ with `transports(context) -> list[Transport]`). GB/s is 1e9 bytes of KV payload 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import multiprocessing
 import os
@@ -48,7 +47,6 @@ from common.server.grpc_server import run_async
 UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30,
          "KB": 10**3, "MB": 10**6, "GB": 10**9}
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-PLANE_MODULES = ("bench.transfer_nixl",)  # optional: a plane's own rows, when it is installed
 
 
 @dataclass(frozen=True)
@@ -60,14 +58,6 @@ class Transport:
     run: Callable[[int], Awaitable[tuple[float, int]]]
 
 
-@dataclass(frozen=True)
-class Context:
-    """What a plane's rows may use: decode's side and the synthetic prefill's ports."""
-
-    side: DecodeSide
-    ports: dict
-
-
 def parse_size(text: str) -> int:
     """'1MiB', '64MiB', '1GiB', '500MB', '4096' -> bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
@@ -75,20 +65,6 @@ def parse_size(text: str) -> int:
     if match is None or unit not in UNITS:
         raise ValueError(f"size {text!r}: use a number with B, KiB, MiB, GiB, KB, MB or GB")
     return int(float(match.group(1)) * UNITS[unit])
-
-
-def extra_transports(context: Context) -> list[Transport]:
-    """Rows of the planes in PLANE_MODULES that are importable here."""
-    rows: list[Transport] = []
-    for name in PLANE_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:
-                raise
-            continue
-        rows.extend(module.transports(context))
-    return rows
 
 
 def _stats(nbytes: int, seconds: list[float]) -> dict:
@@ -118,8 +94,7 @@ async def measure(layout: KvLayout, sizes: list[int], repeats: int, ports: dict,
             tokens = -(-size // per_token)
             nbytes = tokens * per_token
             buffer = bytearray(nbytes)
-            transports = [*_builtin(side, sock, shm_sock, bare_grpc, tokens, buffer),
-                          *extra_transports(Context(side, ports))]
+            transports = _builtin(side, sock, shm_sock, bare_grpc, tokens, buffer)
             reps = repeats or default_repeats(nbytes)
             times: dict[str, list[float]] = {t.name: [] for t in transports}
             for rep in range(reps + 1):  # the first round is a warm-up
@@ -236,6 +211,8 @@ def main(argv: list[str]) -> int:
 
         results = run_async(lambda: measure(layout, sizes, args.repeats, ports,
                                             args.max_chunk_bytes, progress))
+        from bench.transfer_nixl import add_nixl_rows  # the NIXL plane's rows, its own process
+        add_nixl_rows(layout, sizes, args.repeats, results, args.torch_threads, progress)
         print(file=sys.stderr)
     finally:
         parent.send("stop")

@@ -70,6 +70,7 @@ class PrefillConfig:
     release_grace_s: float = 5.0  # how long out-of-band bytes outlive their stream unreleased
     prefix_cache: bool = True  # keep whole prompt pages for later requests of the same scope
     prefix_cache_max_pages: int = 0  # the most pages the cache may own (0: the whole pool)
+    nixl: bool = True  # offer the NIXL plane (when the nixl-cu12 wheel loads and TLS allows)
 
 
 @dataclass(frozen=True)
@@ -89,4 +90,5 @@ class DecodeConfig:
     allow_protocol_1_0: bool = False
     content_checks: bool = True
     verify_depth_positions: int = 4
-    data_plane: str = "inline"  # inline, shared-memory, or auto (the fastest both sides offer)
+    data_plane: str = "inline"  # inline, shared-memory, nixl, or auto (the fastest both offer)
+    nixl_read_timeout_s: float = 5.0  # a NIXL READ of one chunk not done by then is refused

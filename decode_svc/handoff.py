@@ -9,6 +9,7 @@ does.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,8 @@ from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 from decode_svc.prefill_client import PrefillClient
 
 # A hook that turns a received frame into the frame the verifier reads: the out-of-band planes
-# replace a chunk's reference by decode's own copy of the bytes it names (or refuse it).
+# replace a chunk's reference by decode's own copy of the bytes it names (or refuse it). It may
+# return an awaitable (NIXL waits for its READ).
 Resolve = Callable[[object], object]
 
 DEADLINE_MARGIN_FRACTION = 0.1
@@ -64,8 +66,13 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
     started = time.monotonic()
     try:
         async for frame in call:
-            chunk = verifier.on_frame(resolve(frame) if resolve is not None
-                                      else _inline_only(frame))
+            if resolve is not None:
+                frame = resolve(frame)
+                if inspect.isawaitable(frame):  # NIXL: the READ of the chunk's bytes
+                    frame = await frame
+            else:
+                frame = _inline_only(frame)
+            chunk = verifier.on_frame(frame)
             if chunk is not None:
                 record.move(TransferState.TRANSFERRING)
                 received += len(chunk.k) + len(chunk.v)

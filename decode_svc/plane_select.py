@@ -27,16 +27,18 @@ if TYPE_CHECKING:
     from decode_svc.servicer import DecodeState
 
 
-def plane_for(config: DecodeConfig, info) -> tuple[str, str]:
-    """-> (plane, '') or (INLINE, why decode must refuse to serve)."""
+def plane_for(config: DecodeConfig, info, nixl: bool = False) -> tuple[str, str]:
+    """-> (plane, '') or (INLINE, why decode must refuse to serve). nixl: decode has a NIXL
+    agent (decode_svc.nixl_receiver), opened only when TLS allows out-of-band planes."""
     svc = config.service
     allow_out_of_band = not svc.tls_cert or svc.allow_planes_without_tls
-    plane = choose_plane(info, config.data_plane, svc.shm_dir, allow_out_of_band)
+    plane = choose_plane(info, config.data_plane, svc.shm_dir, allow_out_of_band,
+                         nixl and allow_out_of_band)
     if config.data_plane not in ("auto", plane):
         why = ("TLS is configured and that plane bypasses it (--allow-planes-without-tls "
                "allows it)" if not allow_out_of_band else
                "prefill does not offer it on this host (another host, another shared-memory "
-               "directory, or the plane is off there)")
+               "directory, the plane is off there, or NIXL does not load here)")
         return INLINE, (f"decode is configured for data plane {config.data_plane} but {why}; "
                         "refusing all requests (--data-plane auto falls back to inline)")
     return plane, ""

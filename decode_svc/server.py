@@ -12,7 +12,7 @@ import grpc
 from common.config import DecodeConfig
 from common.counters import Counters
 from common.handoff.layout import PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND, describe_layout
-from common.handoff.planes import INLINE, SHARED_MEMORY, offered
+from common.handoff.planes import INLINE, NIXL, SHARED_MEMORY, offered
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, stats_pb2_grpc
@@ -30,6 +30,7 @@ from decode_svc.local_prefill import LocalPrefillEngine, LocalPrefillReceiver, a
 from decode_svc.plane_select import NegotiatedReceiver, plane_for
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.servicer import GenerationServicer
+from decode_svc.nixl_receiver import nixl_receivers
 from decode_svc.shm_receiver import SharedMemoryReceiver
 from decode_svc.state import DecodeState
 from decode_svc.validation import DecodeLimits
@@ -84,7 +85,7 @@ def speaks_bound_handoffs(info) -> bool:
 
 
 async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClient,
-                    state: DecodeState, health, log) -> None:
+                    state: DecodeState, health, log, nixl: bool = False) -> None:
     """Asks prefill for its model, layout and limits, at start and then every
     prefill_info_interval_s (each call may reach another replica behind round_robin). Decode
     serves only once they agree, refuses everything when a replica differs in model or layout,
@@ -98,7 +99,7 @@ async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClien
             await asyncio.sleep(1.0)
             continue
         limits, refusal = _agree(config, runtime, info, state.limits)
-        plane, why = plane_for(config, info)
+        plane, why = plane_for(config, info, nixl)
         refusal = refusal or why
         if not refusal and plane != state.plane:
             log.info("data_plane_chosen", plane=plane, wanted=config.data_plane,
@@ -166,13 +167,15 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                              limits=capacity_gauges(
                                  runtime.capacity,
                                  lambda: state.limits.prefill_max_prompt if state.limits else 0))
+    nixl = nixl_receivers(config, client, engine, counters, log)  # {} or {NIXL: receiver}
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
         runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
         config.handoff_timeout_s, refusals, metrics, log, policy,
         LocalPrefillReceiver(engine) if config.local_prefill else NegotiatedReceiver(
             {INLINE: InlineReceiver(client, engine),
-             SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}, state,
+             SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}
+            | nixl, state,
             fallback=config.data_plane == "auto", counters=counters),
         identity_of_calls(bool(config.api_token)))
     stats = StatsServicer(
@@ -205,7 +208,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     engine.start()
     task = asyncio.ensure_future(
         agree_locally(config, runtime, state, health, SERVICE_NAMES, log) if config.local_prefill
-        else handshake(config, runtime, client, state, health, log))
+        else handshake(config, runtime, client, state, health, log, NIXL in nixl))
     log.info("listening", role="decode", address=f"{svc.host}:{port}", metrics_port=metrics_port,
              prefill=config.prefill_target)
     return RunningDecode(server, port, health, engine, client, task, metrics_port, log)

@@ -59,12 +59,14 @@ SERVICE_HELP = {
 ROLE_HELP = {
     "shm_dir": "directory of the shared-memory regions (a tmpfs both services see)",
     "allow_planes_without_tls": "with TLS configured, still allow data planes whose bytes "
-                                "bypass the channel's TLS (shared memory)",
+                                "bypass the channel's TLS (shared memory, NIXL)",
     "shared_memory": "offer the shared-memory data plane to decodes on this host",
     "release_grace_s": "seconds out-of-band KV bytes outlive their stream when decode never "
                        "releases them",
-    "data_plane": "how KV travels from prefill: inline, shared-memory, or auto (the fastest "
-                  "both sides offer, else inline)",
+    "nixl": "offer the NIXL data plane (decode READs the KV from prefill's NIXL agent)",
+    "nixl_read_timeout_s": "seconds one NIXL READ of a chunk may take before it is refused",
+    "data_plane": "how KV travels from prefill: inline, shared-memory, nixl, or auto (the "
+                  "fastest both sides offer, else inline)",
     "max_batch_tokens": "prompt tokens in one prefill forward pass (all prompts in it); the "
                         "activation peak measured at start-up is a pass of this many",
     "prefill_chunk_tokens": "chunked prefill: the most tokens of one prompt a forward pass "
@@ -109,10 +111,11 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),
     "prefill_info_interval_s": (0.01, None), "verify_depth_positions": (0, 1024),
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
+    "nixl_read_timeout_s": (0.001, None),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
            "kernels": ("auto", "triton", "torch"),
-           "data_plane": ("inline", "shared-memory", "auto")}
+           "data_plane": ("inline", "shared-memory", "nixl", "auto")}
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # (a, b): a is set only together with b.
 REQUIRES = [("tls_key", "tls_cert"), ("tls_cert", "tls_key"), ("tls_ca", "tls_cert"),

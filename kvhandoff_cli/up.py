@@ -68,13 +68,14 @@ def _pool_line(address: str) -> str:
 def _plane_line(address: str, wanted: str) -> str:
     """The plane decode agreed on: the same choice (common.handoff.planes) from the same info,
     on the same host, with decode's defaults (no TLS, /dev/shm)."""
+    from common.handoff.nixl_agent import nixl_available
     from common.handoff.planes import DEFAULT_SHM_DIR, choose_plane
     from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
         info = handoff_pb2_grpc.HandoffServiceStub(channel).GetPrefillInfo(
             handoff_pb2.GetPrefillInfoRequest(), timeout=5)
-    return choose_plane(info, wanted, DEFAULT_SHM_DIR, True)
+    return choose_plane(info, wanted, DEFAULT_SHM_DIR, True, nixl_available()[0])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -116,7 +117,8 @@ def parser() -> argparse.ArgumentParser:
                         "(default: prefill's own)")
     p.add_argument("--prefill-args", default="", help="extra flags for prefill, one string")
     p.add_argument("--decode-args", default="", help="extra flags for decode, one string")
-    p.add_argument("--data-plane", default="auto", choices=("auto", "inline", "shared-memory"),
+    p.add_argument("--data-plane", default="auto",
+                   choices=("auto", "inline", "shared-memory", "nixl"),
                    help="how KV travels; auto: the fastest plane both sides offer")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill keeps prompt pages for later requests of the same cache scope "
@@ -157,6 +159,9 @@ def up(argv: list[str]) -> int:
     if args.allow_context_beyond_pool:
         common.append("--allow-context-beyond-pool")
     cli = [sys.executable, "-m", "kvhandoff_cli.main"]
+    from common.handoff.nixl_agent import LOOPBACK_UCX  # both services on this host: NIXL's
+    for key, value in LOOPBACK_UCX.items():            # UCX stays on it unless told otherwise
+        os.environ.setdefault(key, value)
     services: list[ServiceProcess] = []
     children: list[ChildStderr] = []
     stopping = False

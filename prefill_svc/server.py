@@ -11,6 +11,7 @@ import grpc
 from common.config import PrefillConfig
 from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
+from common.handoff.nixl_agent import open_agent
 from common.handoff.planes import host_identity
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
@@ -24,6 +25,7 @@ from prefill_svc.engine import PrefillEngine
 from prefill_svc.send_budget import SendBudget
 from prefill_svc.handoff_leases import HandoffLeases
 from prefill_svc.prefix_cache import PrefixCache, PrefixCacheConfig, cache_gauges
+from prefill_svc.nixl_sender import NixlPlane
 from prefill_svc.servicer import HandoffServicer, PlaneOffer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
@@ -40,6 +42,7 @@ class RunningPrefill:
     metrics_port: int
     log: object
     leases: HandoffLeases
+    nixl: NixlPlane | None = None
 
 
 async def start_prefill(config: PrefillConfig) -> RunningPrefill:
@@ -89,25 +92,36 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     engine.start()
     await set_serving(health, SERVICE_NAMES, True)
     log.info("serving", role="prefill", address=f"{svc.host}:{port}", metrics_port=metrics_port)
-    return RunningPrefill(server, port, health, engine, metrics_port, log, handoff.leases)
+    return RunningPrefill(server, port, health, engine, metrics_port, log, handoff.leases,
+                          planes.nixl)
 
 
 def plane_offer(config: PrefillConfig, log) -> PlaneOffer:
     """Shared memory is offered when enabled, its directory usable, and either no TLS is
-    configured or the operator allowed planes that bypass it (P-60, P-64)."""
+    configured or the operator allowed planes that bypass it (P-60, P-64); NIXL likewise, when
+    its agent starts (P-65)."""
     svc = config.service
-    if not config.shared_memory:
-        return PlaneOffer()
     if svc.tls_cert and not svc.allow_planes_without_tls:
-        log.info("shared_memory_off", message="TLS is configured and the shared-memory plane "
-                 "bypasses it; start with --allow-planes-without-tls to offer it")
-        return PlaneOffer()
-    host_id = host_identity(svc.shm_dir)
-    if not host_id:
+        if config.shared_memory or config.nixl:
+            log.info("planes_off", message="TLS is configured and the shared-memory and NIXL "
+                     "planes bypass it; start with --allow-planes-without-tls to offer them")
+        return PlaneOffer(release_grace_s=config.release_grace_s)
+    nixl = nixl_plane(log, is_loopback_host(svc.host)) if config.nixl else None
+    host_id = host_identity(svc.shm_dir) if config.shared_memory else ""
+    if config.shared_memory and not host_id:
         log.warning("shared_memory_unusable", shm_dir=svc.shm_dir,
                     message="the shared-memory directory is missing or not writable")
-        return PlaneOffer()
-    return PlaneOffer(host_id, svc.shm_dir, config.release_grace_s)
+    return PlaneOffer(host_id, svc.shm_dir if host_id else "", config.release_grace_s, nixl)
+
+
+def nixl_plane(log, loopback: bool) -> NixlPlane | None:
+    """loopback: prefill listens on loopback only, so its decodes are on this host and UCX is
+    kept on it (unless UCX_NET_DEVICES/UCX_TLS are set)."""
+    agent, why = open_agent("prefill", loopback)
+    if agent is None:
+        log.info("nixl_unavailable", message=f"the NIXL plane is not offered: {why}")
+        return None
+    return NixlPlane(agent)
 
 
 def serve(config: PrefillConfig, port_file: Path | None = None) -> None:
@@ -118,7 +132,9 @@ def serve(config: PrefillConfig, port_file: Path | None = None) -> None:
 
         async def on_stop() -> None:
             running.engine.stop()
-            running.leases.close()  # unlink every region still pinned
+            running.leases.close()  # unlink every region, deregister every buffer still pinned
+            if running.nixl is not None:
+                running.nixl.close()
 
         await serve_until_signalled(running.server, running.health,
                                     config.service.grace_seconds, on_stop, log=running.log)

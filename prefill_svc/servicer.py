@@ -21,7 +21,7 @@ from common.errors import ServiceError, abort_with
 from common.handoff.binding import prompt_digest
 from common.handoff.codec import frame_wire, header_frame
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
-from common.handoff.planes import SHARED_MEMORY, TO_PROTO
+from common.handoff.planes import NIXL, SHARED_MEMORY, TO_PROTO
 from common.log import request_id_from
 from common.metrics import NullMetrics
 from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
@@ -29,6 +29,7 @@ from common.sampling import SamplingConfig
 from prefill_svc.engine import PrefillEngine, PrefillJob
 from prefill_svc.handoff_leases import DEFAULT_GRACE_S, HandoffLeases
 from prefill_svc.kv_sender import InlineSender, KvSender
+from prefill_svc.nixl_sender import NixlPlane, NixlSender
 from prefill_svc.shm_sender import SharedMemorySender
 from prefill_svc.validation import PrefillLimits, validate_prefill
 
@@ -41,10 +42,14 @@ class PlaneOffer:
     shm_host_id: str = ""
     shm_dir: str = ""
     release_grace_s: float = DEFAULT_GRACE_S
+    nixl: NixlPlane | None = None  # None: NIXL not offered (no wheel, no backend, or TLS)
 
     def offers(self) -> list[handoff_pb2.DataPlaneOffer]:
-        """Fastest first; inline always."""
+        """Fastest first (common.handoff.planes.PREFERENCE); inline always."""
         out = []
+        if self.nixl is not None:
+            out.append(handoff_pb2.DataPlaneOffer(plane=TO_PROTO[NIXL],
+                                                  nixl_agent_metadata=self.nixl.metadata))
         if self.shm_host_id:
             out.append(handoff_pb2.DataPlaneOffer(plane=TO_PROTO[SHARED_MEMORY],
                                                   host_id=self.shm_host_id))
@@ -85,6 +90,11 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         if request.data_plane == TO_PROTO[SHARED_MEMORY]:
             sender = SharedMemorySender(request.request_id, self.layout, len(request.token_ids),
                                         self.planes.shm_dir)
+            self.leases.add(request.request_id, request.nonce, sender)
+            return sender
+        if request.data_plane == TO_PROTO[NIXL] and self.planes.nixl is not None:
+            sender = NixlSender(request.request_id, self.layout, len(request.token_ids),
+                                self.planes.nixl)
             self.leases.add(request.request_id, request.nonce, sender)
             return sender
         return InlineSender(request.request_id)

@@ -2,8 +2,9 @@
 
 Names as the SPEC, the flags and the logs say them: "inline" (bytes inside the gRPC chunk
 frames; every peer speaks it) and "shared-memory" (a region on the same host; the frames carry
-references). Faster planes first in PREFERENCE: `choose_plane` picks the first one that both
-prefill offers and decode may use.
+references) and "nixl" (prefill's NIXL agent holds the bytes in a registered buffer, decode
+READs them; the frames carry references). Faster planes first in PREFERENCE: `choose_plane`
+picks the first one that both prefill offers and decode may use.
 
 Host identity (shared memory): the kernel's boot id plus the device and inode of the
 shared-memory directory, so two processes agree only when they run on one host (one boot) and
@@ -19,9 +20,11 @@ from common.pb.kvhandoff.v1 import handoff_pb2
 
 INLINE = "inline"
 SHARED_MEMORY = "shared-memory"
-PREFERENCE = (SHARED_MEMORY, INLINE)
+NIXL = "nixl"
+PREFERENCE = (NIXL, SHARED_MEMORY, INLINE)  # as measured by `kvhandoff bench transfer`
 TO_PROTO = {INLINE: handoff_pb2.DATA_PLANE_INLINE,
-            SHARED_MEMORY: handoff_pb2.DATA_PLANE_SHARED_MEMORY}
+            SHARED_MEMORY: handoff_pb2.DATA_PLANE_SHARED_MEMORY,
+            NIXL: handoff_pb2.DATA_PLANE_NIXL}
 FROM_PROTO = {v: k for k, v in TO_PROTO.items()} | {handoff_pb2.DATA_PLANE_UNSPECIFIED: INLINE}
 DEFAULT_SHM_DIR = "/dev/shm"
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -51,15 +54,26 @@ def offered(info: handoff_pb2.GetPrefillInfoResponse) -> dict[str, str]:
     return planes
 
 
+def nixl_metadata(info: handoff_pb2.GetPrefillInfoResponse) -> bytes:
+    """prefill's NIXL agent metadata from its offer; b'' when it does not offer the plane."""
+    for offer in info.data_planes:
+        if offer.plane == handoff_pb2.DATA_PLANE_NIXL:
+            return bytes(offer.nixl_agent_metadata)
+    return b""
+
+
 def choose_plane(info: handoff_pb2.GetPrefillInfoResponse, wanted: str, shm_dir: str,
-                 allow_shared_memory: bool) -> str:
+                 allow_shared_memory: bool, nixl: bool = False) -> str:
     """The plane decode uses with this prefill. wanted: 'auto' (the fastest both sides can use),
     or one plane's name, which is used only when prefill offers it and decode may (else inline:
-    the caller logs why). Shared memory needs prefill's host id to equal decode's own."""
+    the caller logs why). Shared memory needs prefill's host id to equal decode's own; NIXL
+    needs prefill's agent metadata and decode's own agent (nixl: decode has one and may use
+    planes that bypass TLS)."""
     offers = offered(info)
     mine = host_identity(shm_dir) if allow_shared_memory else ""
     usable = [p for p in PREFERENCE if p in offers
-              and (p != SHARED_MEMORY or (mine and offers[p] == mine))]
+              and (p != SHARED_MEMORY or (mine and offers[p] == mine))
+              and (p != NIXL or (nixl and nixl_metadata(info)))]
     if wanted == "auto":
         return usable[0]
     return wanted if wanted in usable else INLINE

@@ -70,6 +70,9 @@ REJECTION_CODES: dict[str, grpc.StatusCode] = {
 PLANE_REFUSAL_CODES: dict[str, grpc.StatusCode] = {
     "REGION_INVALID": C.DATA_LOSS,
     "REFERENCE_UNEXPECTED": C.INTERNAL,
+    # NIXL: the READ of a chunk's bytes failed (prefill's agent gone), or did not complete in time
+    "TRANSFER_FAILED": C.UNAVAILABLE,
+    "TRANSFER_TIMEOUT": C.DEADLINE_EXCEEDED,
 }
 
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from common.handoff.nixl_agent import nixl_available
 from common.handoff.planes import DEFAULT_SHM_DIR, host_identity
 from tests.helpers.cluster import REPO
 
@@ -38,7 +39,9 @@ def test_up_generate_and_stop():
         address = re.search(r"serving at (\S+)", line).group(1)
         assert "max prompt 4096 tokens" in line and "8192 tokens" in line
         usable = host_identity(DEFAULT_SHM_DIR)  # both sides offer shm on one host with /dev/shm
-        assert f"data plane {'shared-memory' if usable else 'inline'}" in line
+        plane = ("nixl" if nixl_available()[0]  # fastest (bench transfer), then shm
+                 else "shared-memory" if usable else "inline")
+        assert f"data plane {plane}" in line
         ok = subprocess.run([*CLI, "generate", "--target", address, "--token-ids", "3,4,5",
                              "--max-tokens", "5", "--json", "--ignore-eos"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -67,10 +67,12 @@ def test_tls_turns_shared_memory_off_unless_allowed(tmp_path):
     assert plane_for(_decode(tmp_path, "auto", tls=True, allow=True), here) == (
         SHARED_MEMORY, "")
     tls = ServiceConfig(shm_dir=str(tmp_path), tls_cert="c.pem", tls_key="k.pem")
-    assert plane_offer(PrefillConfig(service=tls), RecordingLog()).offers()[0].plane != SHM
+    offers = plane_offer(PrefillConfig(service=tls), RecordingLog()).offers()
+    assert [o.plane for o in offers] == [handoff_pb2.DATA_PLANE_INLINE]  # no shm, no NIXL
     allowed = ServiceConfig(shm_dir=str(tmp_path), tls_cert="c.pem", tls_key="k.pem",
                             allow_planes_without_tls=True)
-    assert plane_offer(PrefillConfig(service=allowed), RecordingLog()).offers()[0].plane == SHM
+    offers = plane_offer(PrefillConfig(service=allowed, nixl=False), RecordingLog()).offers()
+    assert offers[0].plane == SHM
 
 
 def test_prefill_rejects_a_plane_it_does_not_serve(tmp_path):

@@ -33,7 +33,7 @@ def pairs(tmp_path_factory):
     try:
         shared = start_cluster(
             root / "shared", "demo", common_flags=[*FLAGS, "--shm-dir", str(shm)],
-            prefill_flags=["--release-grace-s", "30"],
+            prefill_flags=["--release-grace-s", "30", "--no-nixl"],
             decode_flags=[*DECODE, "--data-plane", "shared-memory"])
     except Exception:
         inline.stop()
@@ -85,7 +85,7 @@ def test_prefill_offers_shared_memory_with_its_host_identity(pairs):
 
 def test_a_plane_prefill_does_not_serve_is_rejected(tmp_path):
     cluster = start_cluster(tmp_path, "demo", common_flags=FLAGS,
-                            prefill_flags=["--no-shared-memory"])
+                            prefill_flags=["--no-shared-memory", "--no-nixl"])
     try:
         request = handoff_pb2.PrefillRequest(
             request_id="r1", token_ids=[1, 2, 3], protocol_version=protocol_version(),

@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from common.pb.kvhandoff.v1 import common_pb2 as kvhandoff_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvhandoff/v1/handoff.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"I\n\x0e\x44\x61taPlaneOffer\x12&\n\x05plane\x18\x01 \x01(\x0e\x32\x17.kvhandoff.v1.DataPlane\x12\x0f\n\x07host_id\x18\x02 \x01(\t\"Q\n\x0bKvRegionRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x10\n\x08k_offset\x18\x02 \x01(\x04\x12\x10\n\x08v_offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\":\n\x15ReleaseHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"*\n\x16ReleaseHandoffResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc1\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x37\n\x10protocol_version\x18\x03 \x01(\x0b\x32\x1d.kvhandoff.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.kvhandoff.v1.SamplingParams\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12+\n\ndata_plane\x18\x08 \x01(\x0e\x32\x17.kvhandoff.v1.DataPlane\x12\x1a\n\x12\x64\x61ta_plane_host_id\x18\t \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\n \x01(\x0c\"\xa0\x01\n\x0fPrefillResponse\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvhandoff.v1.HandoffHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.kvhandoff.v1.KvChunkH\x00\x12-\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1b.kvhandoff.v1.HandoffCommitH\x00\x42\x07\n\x05\x66rame\"\xac\x02\n\rHandoffHeader\x12\x37\n\x10protocol_version\x18\x01 \x01(\x0b\x32\x1d.kvhandoff.v1.ProtocolVersion\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12+\n\x06status\x18\x04 \x01(\x0e\x32\x1b.kvhandoff.v1.HandoffStatus\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12&\n\x06layout\x18\x06 \x01(\x0b\x32\x16.kvhandoff.v1.KvLayout\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x13\n\x0breason_code\x18\x08 \x01(\t\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x15\n\rprompt_digest\x18\n \x01(\x0c\"\xe0\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\t\n\x01k\x18\x06 \x01(\x0c\x12\t\n\x01v\x18\x07 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x08 \x01(\r\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x14\n\x0c\x63hunk_crc32c\x18\n \x01(\r\x12&\n\x03ref\x18\x0b \x01(\x0b\x32\x19.kvhandoff.v1.KvRegionRef\"\xc8\x01\n\rHandoffCommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x03 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12+\n\x06status\x18\x05 \x01(\x0e\x32\x1b.kvhandoff.v1.HandoffStatus\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12\x15\n\rcommit_crc32c\x18\x08 \x01(\r\"\x17\n\x15GetPrefillInfoRequest\"\xa6\x02\n\x16GetPrefillInfoResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.kvhandoff.v1.KvLayout\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x38\n\x11protocol_versions\x18\x04 \x03(\x0b\x32\x1d.kvhandoff.v1.ProtocolVersion\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\x04\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x31\n\x0b\x64\x61ta_planes\x18\x08 \x03(\x0b\x32\x1c.kvhandoff.v1.DataPlaneOffer*\\\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_PLANE_INLINE\x10\x01\x12\x1c\n\x18\x44\x41TA_PLANE_SHARED_MEMORY\x10\x02*\x7f\n\rHandoffStatus\x12\x1e\n\x1aHANDOFF_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11HANDOFF_STATUS_OK\x10\x01\x12\x1b\n\x17HANDOFF_STATUS_REJECTED\x10\x02\x12\x1a\n\x16HANDOFF_STATUS_ABORTED\x10\x03\x32\x94\x02\n\x0eHandoffService\x12H\n\x07Prefill\x12\x1c.kvhandoff.v1.PrefillRequest\x1a\x1d.kvhandoff.v1.PrefillResponse0\x01\x12[\n\x0eGetPrefillInfo\x12#.kvhandoff.v1.GetPrefillInfoRequest\x1a$.kvhandoff.v1.GetPrefillInfoResponse\x12[\n\x0eReleaseHandoff\x12#.kvhandoff.v1.ReleaseHandoffRequest\x1a$.kvhandoff.v1.ReleaseHandoffResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvhandoff/v1/handoff.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"f\n\x0e\x44\x61taPlaneOffer\x12&\n\x05plane\x18\x01 \x01(\x0e\x32\x17.kvhandoff.v1.DataPlane\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x1b\n\x13nixl_agent_metadata\x18\x03 \x01(\x0c\"\x9f\x01\n\x0bKvRegionRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x10\n\x08k_offset\x18\x02 \x01(\x04\x12\x10\n\x08v_offset\x18\x03 \x01(\x04\x12\x0e\n\x06length\x18\x04 \x01(\x04\x12\x14\n\x0cnixl_address\x18\x05 \x01(\x04\x12\x18\n\x10nixl_buffer_size\x18\x06 \x01(\x04\x12\x1c\n\x14nixl_buffer_metadata\x18\x07 \x01(\x0c\":\n\x15ReleaseHandoffRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05nonce\x18\x02 \x01(\x0c\"*\n\x16ReleaseHandoffResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\xc1\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x37\n\x10protocol_version\x18\x03 \x01(\x0b\x32\x1d.kvhandoff.v1.ProtocolVersion\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.kvhandoff.v1.SamplingParams\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12+\n\ndata_plane\x18\x08 \x01(\x0e\x32\x17.kvhandoff.v1.DataPlane\x12\x1a\n\x12\x64\x61ta_plane_host_id\x18\t \x01(\t\x12\x13\n\x0b\x63\x61\x63he_scope\x18\n \x01(\x0c\"\xa0\x01\n\x0fPrefillResponse\x12-\n\x06header\x18\x01 \x01(\x0b\x32\x1b.kvhandoff.v1.HandoffHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.kvhandoff.v1.KvChunkH\x00\x12-\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x1b.kvhandoff.v1.HandoffCommitH\x00\x42\x07\n\x05\x66rame\"\xac\x02\n\rHandoffHeader\x12\x37\n\x10protocol_version\x18\x01 \x01(\x0b\x32\x1d.kvhandoff.v1.ProtocolVersion\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x13\n\x0btoken_count\x18\x03 \x01(\r\x12+\n\x06status\x18\x04 \x01(\x0e\x32\x1b.kvhandoff.v1.HandoffStatus\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12&\n\x06layout\x18\x06 \x01(\x0b\x32\x16.kvhandoff.v1.KvLayout\x12\x19\n\x11model_fingerprint\x18\x07 \x01(\t\x12\x13\n\x0breason_code\x18\x08 \x01(\t\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x15\n\rprompt_digest\x18\n \x01(\x0c\"\xe0\x01\n\x07KvChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fsequence_number\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\t\n\x01k\x18\x06 \x01(\x0c\x12\t\n\x01v\x18\x07 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x08 \x01(\r\x12\r\n\x05nonce\x18\t \x01(\x0c\x12\x14\n\x0c\x63hunk_crc32c\x18\n \x01(\r\x12&\n\x03ref\x18\x0b \x01(\x0b\x32\x19.kvhandoff.v1.KvRegionRef\"\xc8\x01\n\rHandoffCommit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_count\x18\x03 \x01(\x04\x12\x16\n\x0e\x66irst_token_id\x18\x04 \x01(\r\x12+\n\x06status\x18\x05 \x01(\x0e\x32\x1b.kvhandoff.v1.HandoffStatus\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\r\n\x05nonce\x18\x07 \x01(\x0c\x12\x15\n\rcommit_crc32c\x18\x08 \x01(\r\"\x17\n\x15GetPrefillInfoRequest\"\xa6\x02\n\x16GetPrefillInfoResponse\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12&\n\x06layout\x18\x02 \x01(\x0b\x32\x16.kvhandoff.v1.KvLayout\x12\x11\n\tpage_size\x18\x03 \x01(\r\x12\x38\n\x11protocol_versions\x18\x04 \x03(\x0b\x32\x1d.kvhandoff.v1.ProtocolVersion\x12\x19\n\x11max_prompt_tokens\x18\x05 \x01(\x04\x12\x1a\n\x12max_context_tokens\x18\x06 \x01(\x04\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x31\n\x0b\x64\x61ta_planes\x18\x08 \x03(\x0b\x32\x1c.kvhandoff.v1.DataPlaneOffer*q\n\tDataPlane\x12\x1a\n\x16\x44\x41TA_PLANE_UNSPECIFIED\x10\x00\x12\x15\n\x11\x44\x41TA_PLANE_INLINE\x10\x01\x12\x1c\n\x18\x44\x41TA_PLANE_SHARED_MEMORY\x10\x02\x12\x13\n\x0f\x44\x41TA_PLANE_NIXL\x10\x03*\x7f\n\rHandoffStatus\x12\x1e\n\x1aHANDOFF_STATUS_UNSPECIFIED\x10\x00\x12\x15\n\x11HANDOFF_STATUS_OK\x10\x01\x12\x1b\n\x17HANDOFF_STATUS_REJECTED\x10\x02\x12\x1a\n\x16HANDOFF_STATUS_ABORTED\x10\x03\x32\x94\x02\n\x0eHandoffService\x12H\n\x07Prefill\x12\x1c.kvhandoff.v1.PrefillRequest\x1a\x1d.kvhandoff.v1.PrefillResponse0\x01\x12[\n\x0eGetPrefillInfo\x12#.kvhandoff.v1.GetPrefillInfoRequest\x1a$.kvhandoff.v1.GetPrefillInfoResponse\x12[\n\x0eReleaseHandoff\x12#.kvhandoff.v1.ReleaseHandoffRequest\x1a$.kvhandoff.v1.ReleaseHandoffResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvhandoff.v1.handoff_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DATAPLANE']._serialized_start=1875
-  _globals['_DATAPLANE']._serialized_end=1967
-  _globals['_HANDOFFSTATUS']._serialized_start=1969
-  _globals['_HANDOFFSTATUS']._serialized_end=2096
+  _globals['_DATAPLANE']._serialized_start=1983
+  _globals['_DATAPLANE']._serialized_end=2096
+  _globals['_HANDOFFSTATUS']._serialized_start=2098
+  _globals['_HANDOFFSTATUS']._serialized_end=2225
   _globals['_DATAPLANEOFFER']._serialized_start=71
-  _globals['_DATAPLANEOFFER']._serialized_end=144
-  _globals['_KVREGIONREF']._serialized_start=146
-  _globals['_KVREGIONREF']._serialized_end=227
-  _globals['_RELEASEHANDOFFREQUEST']._serialized_start=229
-  _globals['_RELEASEHANDOFFREQUEST']._serialized_end=287
-  _globals['_RELEASEHANDOFFRESPONSE']._serialized_start=289
-  _globals['_RELEASEHANDOFFRESPONSE']._serialized_end=331
-  _globals['_PREFILLREQUEST']._serialized_start=334
-  _globals['_PREFILLREQUEST']._serialized_end=655
-  _globals['_PREFILLRESPONSE']._serialized_start=658
-  _globals['_PREFILLRESPONSE']._serialized_end=818
-  _globals['_HANDOFFHEADER']._serialized_start=821
-  _globals['_HANDOFFHEADER']._serialized_end=1121
-  _globals['_KVCHUNK']._serialized_start=1124
-  _globals['_KVCHUNK']._serialized_end=1348
-  _globals['_HANDOFFCOMMIT']._serialized_start=1351
-  _globals['_HANDOFFCOMMIT']._serialized_end=1551
-  _globals['_GETPREFILLINFOREQUEST']._serialized_start=1553
-  _globals['_GETPREFILLINFOREQUEST']._serialized_end=1576
-  _globals['_GETPREFILLINFORESPONSE']._serialized_start=1579
-  _globals['_GETPREFILLINFORESPONSE']._serialized_end=1873
-  _globals['_HANDOFFSERVICE']._serialized_start=2099
-  _globals['_HANDOFFSERVICE']._serialized_end=2375
+  _globals['_DATAPLANEOFFER']._serialized_end=173
+  _globals['_KVREGIONREF']._serialized_start=176
+  _globals['_KVREGIONREF']._serialized_end=335
+  _globals['_RELEASEHANDOFFREQUEST']._serialized_start=337
+  _globals['_RELEASEHANDOFFREQUEST']._serialized_end=395
+  _globals['_RELEASEHANDOFFRESPONSE']._serialized_start=397
+  _globals['_RELEASEHANDOFFRESPONSE']._serialized_end=439
+  _globals['_PREFILLREQUEST']._serialized_start=442
+  _globals['_PREFILLREQUEST']._serialized_end=763
+  _globals['_PREFILLRESPONSE']._serialized_start=766
+  _globals['_PREFILLRESPONSE']._serialized_end=926
+  _globals['_HANDOFFHEADER']._serialized_start=929
+  _globals['_HANDOFFHEADER']._serialized_end=1229
+  _globals['_KVCHUNK']._serialized_start=1232
+  _globals['_KVCHUNK']._serialized_end=1456
+  _globals['_HANDOFFCOMMIT']._serialized_start=1459
+  _globals['_HANDOFFCOMMIT']._serialized_end=1659
+  _globals['_GETPREFILLINFOREQUEST']._serialized_start=1661
+  _globals['_GETPREFILLINFOREQUEST']._serialized_end=1684
+  _globals['_GETPREFILLINFORESPONSE']._serialized_start=1687
+  _globals['_GETPREFILLINFORESPONSE']._serialized_end=1981
+  _globals['_HANDOFFSERVICE']._serialized_start=2228
+  _globals['_HANDOFFSERVICE']._serialized_end=2504
 # @@protoc_insertion_point(module_scope)

@@ -13,6 +13,7 @@ class DataPlane(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATA_PLANE_UNSPECIFIED: _ClassVar[DataPlane]
     DATA_PLANE_INLINE: _ClassVar[DataPlane]
     DATA_PLANE_SHARED_MEMORY: _ClassVar[DataPlane]
+    DATA_PLANE_NIXL: _ClassVar[DataPlane]
 
 class HandoffStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -23,30 +24,39 @@ class HandoffStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 DATA_PLANE_UNSPECIFIED: DataPlane
 DATA_PLANE_INLINE: DataPlane
 DATA_PLANE_SHARED_MEMORY: DataPlane
+DATA_PLANE_NIXL: DataPlane
 HANDOFF_STATUS_UNSPECIFIED: HandoffStatus
 HANDOFF_STATUS_OK: HandoffStatus
 HANDOFF_STATUS_REJECTED: HandoffStatus
 HANDOFF_STATUS_ABORTED: HandoffStatus
 
 class DataPlaneOffer(_message.Message):
-    __slots__ = ("plane", "host_id")
+    __slots__ = ("plane", "host_id", "nixl_agent_metadata")
     PLANE_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     plane: DataPlane
     host_id: str
-    def __init__(self, plane: _Optional[_Union[DataPlane, str]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    nixl_agent_metadata: bytes
+    def __init__(self, plane: _Optional[_Union[DataPlane, str]] = ..., host_id: _Optional[str] = ..., nixl_agent_metadata: _Optional[bytes] = ...) -> None: ...
 
 class KvRegionRef(_message.Message):
-    __slots__ = ("region", "k_offset", "v_offset", "length")
+    __slots__ = ("region", "k_offset", "v_offset", "length", "nixl_address", "nixl_buffer_size", "nixl_buffer_metadata")
     REGION_FIELD_NUMBER: _ClassVar[int]
     K_OFFSET_FIELD_NUMBER: _ClassVar[int]
     V_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NIXL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_BUFFER_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_BUFFER_METADATA_FIELD_NUMBER: _ClassVar[int]
     region: str
     k_offset: int
     v_offset: int
     length: int
-    def __init__(self, region: _Optional[str] = ..., k_offset: _Optional[int] = ..., v_offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    nixl_address: int
+    nixl_buffer_size: int
+    nixl_buffer_metadata: bytes
+    def __init__(self, region: _Optional[str] = ..., k_offset: _Optional[int] = ..., v_offset: _Optional[int] = ..., length: _Optional[int] = ..., nixl_address: _Optional[int] = ..., nixl_buffer_size: _Optional[int] = ..., nixl_buffer_metadata: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseHandoffRequest(_message.Message):
     __slots__ = ("request_id", "nonce")

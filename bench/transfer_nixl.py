@@ -1,0 +1,171 @@
+"""The NIXL rows of `kvhandoff bench transfer`: the services' handoff over the NIXL plane
+(decode READs each chunk from prefill's agent into its own staging buffer, verifies, writes its
+pool) and bare NIXL (the same bytes, decode-side READs in 4 MiB pieces, crc32c checked on
+decode's copy), interleaved per repeat, after the other transports of the same run.
+
+Rows: "nixl" (ratio against "bare-nixl") and "bare-nixl" (ratio against raw TCP of the same
+run). UCX is confined to loopback (UCX_NET_DEVICES=lo, UCX_TLS=sm,tcp,self) unless the caller's
+environment sets those variables. Where NIXL does not start, no row is added and the reason is
+printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import socket
+import sys
+import time
+import uuid
+
+import google_crc32c
+import numpy as np
+
+from bench.bare_nixl import ANSWER, serve_in_process
+from bench.synthetic_prefill import FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, SyntheticSpec
+from common.handoff.binding import new_nonce, prompt_digest
+from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
+from common.handoff.nixl_agent import DONE, IN_FLIGHT, LOOPBACK_UCX, NixlAgent, open_agent
+from common.handoff.transfer import TransferRecord
+from common.handoff.verifier import Expectation
+from common.pb.kvhandoff.v1 import handoff_pb2
+from common.sampling import SamplingConfig
+from decode_svc.kv_receiver import HandoffJob
+from decode_svc.nixl_receiver import NixlReceiver
+
+PIECE = 4 << 20
+
+
+async def _handoff(side, receiver: NixlReceiver, layout: KvLayout, tokens: int
+                   ) -> tuple[float, int]:
+    """One verified NIXL handoff written into decode's pool -> (seconds, payload bytes)."""
+    request_id = uuid.uuid4().hex
+    barrier = f"{request_id}-barrier"
+    await side._reserve(request_id, tokens)
+    request = handoff_pb2.PrefillRequest(
+        request_id=request_id, token_ids=[1] * tokens, protocol_version=protocol_version(),
+        nonce=new_nonce(), model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
+        max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES)
+    expect = Expectation(request_id, tokens, layout, FINGERPRINT, DEFAULT_MAX_CHUNK_BYTES,
+                         VOCAB, request.nonce, prompt_digest(request.token_ids))
+    try:
+        started = time.perf_counter()
+        landed = await receiver.receive(HandoffJob(request, expect, SamplingConfig(), 600.0),
+                                        TransferRecord(request_id, "nixl"))
+        await side._reserve(barrier, 1)  # commands run in order: every write is done now
+        return time.perf_counter() - started, landed.payload_bytes
+    finally:
+        side.engine.release(request_id)
+        side.engine.release(barrier)
+
+
+async def bare_read(agent: NixlAgent, sock: socket.socket, size: int, own: np.ndarray,
+                    peers: dict[bytes, str]) -> float:
+    """Ask for size bytes, READ them in PIECE-byte pieces into own, check their crc32c."""
+    started = time.perf_counter()
+    sock.sendall(SIZE_HEADER.pack(size))
+    meta_len, address, crc = ANSWER.unpack(_recv_exact(sock, ANSWER.size))
+    meta = _recv_exact(sock, meta_len)
+    if meta not in peers:
+        peers[meta] = agent.add_remote(meta)
+    pieces = [(address + at, min(PIECE, size - at)) for at in range(0, size, PIECE)]
+    handle, state = agent.read(own[:size], pieces, peers[meta])
+    while state == IN_FLIGHT:
+        await asyncio.sleep(0)
+        state = agent.state(handle)
+    agent.release(handle)
+    if state != DONE or google_crc32c.value(own[:size]) != crc:
+        raise RuntimeError(f"bare NIXL READ ended {state} or its crc32c differs")
+    sock.sendall(b"\1")
+    return time.perf_counter() - started
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        part = sock.recv(size - len(data))
+        if not part:
+            raise ConnectionError("the bare NIXL sender closed early")
+        data += part
+    return bytes(data)
+
+
+async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, results, stats,
+                   default_repeats):
+    from bench.transfer_services import DecodeSide
+
+    agent, why = open_agent("bench-decode")
+    if agent is None:
+        return why
+    side = DecodeSide(layout, max(-(-s // layout.kv_bytes_per_token) for s in sizes),
+                      f"127.0.0.1:{grpc_port}", DEFAULT_MAX_CHUNK_BYTES)
+    side.start()
+    receiver = NixlReceiver(side.client, side.engine, agent, read_timeout_s=60.0)
+    sock = socket.create_connection(("127.0.0.1", bare_port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    own = np.empty(max(sizes) + layout.kv_bytes_per_token, dtype=np.uint8)  # decode's buffer
+    agent.register(own, share=False)
+    peers: dict[bytes, str] = {}
+    try:
+        for result in results:
+            nbytes, tokens = result["size_bytes"], result["tokens"]
+            reps = repeats or default_repeats(nbytes)
+            times: dict[str, list[float]] = {"nixl": [], "bare-nixl": []}
+            for rep in range(reps + 1):  # the first of each is a warm-up
+                seconds, got = await _handoff(side, receiver, layout, tokens)
+                if got != nbytes:
+                    raise RuntimeError(f"nixl moved {got} bytes, expected {nbytes}")
+                bare = await bare_read(agent, sock, nbytes, own, peers)
+                if rep:
+                    times["nixl"].append(seconds)
+                    times["bare-nixl"].append(bare)
+                progress(f"{nbytes >> 20} MiB over NIXL: {rep}/{reps}")
+            rows = {name: stats(nbytes, t) for name, t in times.items()}
+            tcp = next((t["gbps_median"] for t in result["transports"]
+                        if t["transport"] == "tcp"), float("nan"))
+            bare_gbps = rows["bare-nixl"]["gbps_median"]
+            for name, base, base_gbps in (("nixl", "bare-nixl", bare_gbps),
+                                          ("bare-nixl", "tcp", tcp)):
+                row = rows[name]
+                result["transports"].append({
+                    "transport": name, "baseline": base, "ratio": row["gbps_median"] / base_gbps,
+                    "ratio_vs_tcp": row["gbps_median"] / tcp, **row})
+    finally:
+        sock.close()
+        await side.close()
+    return ""
+
+
+def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: list[dict],
+                  torch_threads: int, progress) -> None:
+    """Appends the "nixl" and "bare-nixl" rows to each size's transports (see the module)."""
+    from bench.transfer import _stats, default_repeats
+    from common.server.grpc_server import run_async
+
+    for key, value in LOOPBACK_UCX.items():
+        os.environ.setdefault(key, value)
+    pool_tokens = max(r["tokens"] for r in results)
+    pool_tokens = -(-pool_tokens // PAGE_SIZE) * PAGE_SIZE
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    helper = ctx.Process(target=serve_in_process,
+                         args=(SyntheticSpec(layout, pool_tokens, torch_threads), child),
+                         daemon=True)
+    helper.start()
+    try:
+        if not parent.poll(300):
+            raise RuntimeError("the NIXL synthetic prefill did not start within 300 s")
+        answer = parent.recv()
+        if isinstance(answer, str):
+            print(f"[transfer] no NIXL rows: {answer}", file=sys.stderr)
+            return
+        why = run_async(lambda: _measure(layout, [r["size_bytes"] for r in results], repeats,
+                                         *answer, progress, results, _stats, default_repeats))
+        if why:
+            print(f"[transfer] no NIXL rows: {why}", file=sys.stderr)
+    finally:
+        parent.send("stop")
+        helper.join(30)
+        if helper.is_alive():
+            helper.kill()

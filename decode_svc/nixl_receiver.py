@@ -1,0 +1,275 @@
+"""The NIXL plane on decode: chunk frames carry references into a buffer prefill registered with
+its NIXL agent; decode READs the bytes into its OWN staging buffer (a one-sided transfer decode
+initiates; decode never registers its pool for a peer), waits for completion with a deadline,
+then the verifier checks sizes and both 1.1 checksums over that copy, then the engine writes it,
+exactly as inline.
+
+Invariants (besides KvReceiver's):
+- a reference is bounded before anything is read: length = the layout's size for its token
+  range, K plus V at most max_chunk_bytes, both pieces inside the buffer the handoff's first
+  reference described (its partial agent metadata), at most MAX_BUFFERS_PER_HANDOFF buffers;
+- a READ that fails is refused (TRANSFER_FAILED), one that is not DONE by the deadline (the
+  sooner of read_timeout_s and the handoff's budget) is refused (TRANSFER_TIMEOUT);
+- a staging buffer is reused only after the READ into it was DONE; after a failed or timed-out
+  READ it is quarantined for good (kept registered and referenced, never handed out again), so
+  bytes that land late cannot reach another request's chunk;
+- ReleaseHandoff is sent however the handoff ends (off the request's path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from common.config import DecodeConfig
+from common.counters import Counters
+from common.handoff.codec import WireChunk, WireChunkFrame
+from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
+from common.handoff.nixl_agent import DONE, IN_FLIGHT, NixlAgent, Registration, open_agent
+from common.handoff.planes import NIXL, TO_PROTO
+from common.handoff.reasons import refuse
+from common.handoff.transfer import TransferRecord
+from common.handoff.verifier import Expectation
+from common.server.loopback import is_loopback_target
+from common.pb.kvhandoff.v1 import handoff_pb2
+from decode_svc.engine import DecodeEngine
+from decode_svc.handoff import handoff_budget, receive_handoff
+from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.prefill_client import PrefillClient
+
+MAX_BUFFERS_PER_HANDOFF = 4
+RELEASE_TIMEOUT_S = 5.0
+DEFAULT_READ_TIMEOUT_S = 5.0
+# Each handoff's buffer metadata adds a section to decode's view of the peer agent, and NIXL's
+# lookups slow down with their number (measured: a 1 MiB load+READ took 0.5 ms after 10 loads,
+# 4.4 ms after 3000); a peer is unloaded (and reconnected on its next handoff, ~2-6 ms) once
+# it has this many sections and no handoff is using it.
+MAX_SECTIONS_PER_PEER = 256
+SPIN_POLLS = 200  # polls without sleeping before backing off (a loopback READ takes < 1 ms)
+POLL_PAUSE_S = 2e-4
+
+
+class StagingPool:
+    """decode's registered landing buffers, handed out one per handoff and returned after it;
+    a buffer a READ may still write into is quarantined instead (never handed out again)."""
+
+    def __init__(self, agent: NixlAgent, counters: Counters) -> None:
+        self.agent = agent
+        self.counters = counters
+        self._free: dict[int, list[tuple[np.ndarray, Registration]]] = {}
+        self.quarantined: list[tuple[np.ndarray, Registration]] = []
+
+    def acquire(self, size: int) -> tuple[np.ndarray, Registration]:
+        free = self._free.get(size)
+        if free:
+            return free.pop()
+        buf = np.empty(size, dtype=np.uint8)  # [size] decode's own memory
+        return buf, self.agent.register(buf, share=False)
+
+    def give_back(self, staging: tuple[np.ndarray, Registration]) -> None:
+        self._free.setdefault(staging[0].nbytes, []).append(staging)
+
+    def quarantine(self, staging: tuple[np.ndarray, Registration]) -> None:
+        self.quarantined.append(staging)
+        self.counters.add("nixl_buffers_quarantined")
+
+    def in_use_by(self, buf: np.ndarray) -> bool:
+        return any(b is buf for b, _ in self.quarantined)
+
+
+class _Landing:
+    """One handoff's buffers (by prefill address) and the READ of each referenced chunk."""
+
+    def __init__(self, receiver: NixlReceiver, expect: Expectation, deadline: float) -> None:
+        self.receiver = receiver
+        self.expect = expect
+        self.deadline = deadline
+        self.buffers: dict[int, tuple[str, int]] = {}  # prefill address -> (peer agent, size)
+        self.peers: set[str] = set()
+        self.staging: tuple[np.ndarray, Registration] | None = None
+        self.tainted = False
+
+    async def resolve(self, frame):
+        if frame is None or frame.WhichOneof("frame") != "chunk":
+            return frame
+        chunk = frame.chunk
+        if not chunk.HasField("ref"):
+            return frame  # the verifier refuses its empty K and V (CHUNK_SIZE_MISMATCH)
+        if len(chunk.k) or len(chunk.v):
+            raise refuse("REFERENCE_UNEXPECTED", f"chunk {chunk.sequence_number} carries both "
+                         "inline bytes and a NIXL reference")
+        ref = chunk.ref
+        layout = self.expect.layout
+        limit = self.expect.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES
+        tokens = chunk.token_end - chunk.token_start
+        if tokens <= 0 or tokens > self.expect.token_count or 2 * ref.length > limit:
+            return frame  # out of range or too large: the verifier names the rule, nothing read
+        if ref.length != tokens * layout.k_bytes_per_token_per_layer:
+            return frame  # the verifier refuses the size (CHUNK_SIZE_MISMATCH)
+        peer = self._buffer(chunk.sequence_number, ref)
+        own = self._own(limit)[: 2 * ref.length].reshape(2, ref.length)  # [2, length] bytes
+        await self._read(chunk.sequence_number, own, peer,
+                         [(ref.nixl_address + ref.k_offset, ref.length),
+                          (ref.nixl_address + ref.v_offset, ref.length)])
+        k, v = own[0], own[1]
+        k.flags.writeable = False
+        v.flags.writeable = False
+        return WireChunkFrame(WireChunk(
+            request_id=chunk.request_id, sequence_number=chunk.sequence_number,
+            layer=chunk.layer, token_start=chunk.token_start, token_end=chunk.token_end,
+            k=k, v=v, crc32c=chunk.crc32c, nonce=bytes(chunk.nonce),
+            chunk_crc32c=chunk.chunk_crc32c))
+
+    def _buffer(self, seq: int, ref: handoff_pb2.KvRegionRef) -> str:
+        """-> the peer agent holding the buffer ref names, after the bounds checks."""
+        size = ref.nixl_buffer_size
+        if not ref.nixl_address or not size or ref.nixl_address + size >= 2**64:
+            raise refuse("REGION_INVALID", f"chunk {seq} carries no NIXL buffer reference")
+        if max(ref.k_offset, ref.v_offset) + ref.length > size:
+            raise refuse("REGION_INVALID", f"chunk {seq} refers past the end of its "
+                         f"{size}-byte buffer")
+        known = self.buffers.get(ref.nixl_address)
+        if ref.nixl_buffer_metadata:
+            if known is None and len(self.buffers) >= MAX_BUFFERS_PER_HANDOFF:
+                raise refuse("REGION_INVALID", f"the handoff refers to more than "
+                             f"{MAX_BUFFERS_PER_HANDOFF} NIXL buffers")
+            try:
+                peer = self.receiver.load_peer(bytes(ref.nixl_buffer_metadata))
+            except Exception as err:  # a backend error: prefill's agent cannot be reached
+                reason = ("TRANSFER_FAILED" if "Backend" in type(err).__name__
+                          else "REGION_INVALID")
+                raise refuse(reason, f"chunk {seq}: prefill's NIXL buffer metadata does not "
+                             f"load: {type(err).__name__}") from err
+            known = self.buffers[ref.nixl_address] = (peer, size)
+            if peer not in self.peers:
+                self.peers.add(peer)
+                self.receiver.use_peer(peer)
+        if known is None or known[1] != size:
+            raise refuse("REGION_INVALID", f"chunk {seq} refers to a NIXL buffer no earlier "
+                         "chunk of the handoff described")
+        return known[0]
+
+    def _own(self, limit: int) -> np.ndarray:
+        if self.staging is None:
+            self.staging = self.receiver.staging.acquire(limit)
+        return self.staging[0]
+
+    async def _read(self, seq: int, own: np.ndarray, peer: str,
+                    remote: list[tuple[int, int]]) -> None:
+        agent = self.receiver.agent
+        deadline = min(self.deadline, time.monotonic() + self.receiver.read_timeout_s)
+        try:
+            handle, state = agent.read(own, remote, peer)
+        except Exception as err:  # refused before anything was posted: nothing in flight
+            raise refuse("TRANSFER_FAILED", f"chunk {seq}: the NIXL READ could not be posted: "
+                         f"{type(err).__name__}: {err}") from err
+        polls = 0
+        try:
+            while state == IN_FLIGHT and time.monotonic() < deadline:
+                polls += 1
+                await asyncio.sleep(0 if polls < SPIN_POLLS else POLL_PAUSE_S)
+                state = agent.state(handle)
+        except BaseException:  # cancelled (the client left) mid-READ: it may still land
+            self.tainted = True
+            agent.release(handle)
+            raise
+        if state == DONE:
+            agent.release(handle)
+            return
+        # failed or still in flight: bytes may yet land in `own`, so it never serves again
+        self.tainted = True
+        agent.release(handle)
+        if state == IN_FLIGHT:
+            raise refuse("TRANSFER_TIMEOUT", f"chunk {seq}: the NIXL READ did not complete "
+                         f"within {self.receiver.read_timeout_s:.1f}s")
+        raise refuse("TRANSFER_FAILED", f"chunk {seq}: the NIXL READ failed (prefill gone?)")
+
+    def close(self) -> None:
+        for peer in self.peers:
+            self.receiver.unload_peer(peer)
+        self.peers.clear()
+        if self.staging is not None:
+            if self.tainted:
+                self.receiver.staging.quarantine(self.staging)
+            else:
+                self.receiver.staging.give_back(self.staging)
+            self.staging = None
+
+
+class NixlReceiver(KvReceiver):
+    plane = NIXL
+
+    def __init__(self, client: PrefillClient, engine: DecodeEngine, agent: NixlAgent,
+                 counters: Counters | None = None,
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+        self.client = client
+        self.engine = engine
+        self.agent = agent
+        self.read_timeout_s = read_timeout_s
+        self.staging = StagingPool(agent, counters if counters is not None else Counters())
+        self._releases: set[asyncio.Task] = set()
+        self._sections: dict[str, int] = {}  # peer agent -> buffer metadata loaded since added
+        self._users: dict[str, int] = {}  # peer agent -> handoffs using it now
+
+    def load_peer(self, metadata: bytes) -> str:
+        """Loads one buffer's metadata (with the peer's connection info) -> the peer's name."""
+        peer = self.agent.add_remote(metadata)
+        self._sections[peer] = self._sections.get(peer, 0) + 1
+        return peer
+
+    def use_peer(self, peer: str) -> None:
+        """A handoff starts reading from peer (once per handoff and peer)."""
+        self._users[peer] = self._users.get(peer, 0) + 1
+
+    def unload_peer(self, peer: str) -> None:
+        """A handoff is done with peer; drops it from the agent once it holds too many
+        sections and nobody uses it (see MAX_SECTIONS_PER_PEER)."""
+        self._users[peer] -= 1
+        if self._users[peer] == 0 and self._sections.get(peer, 0) >= MAX_SECTIONS_PER_PEER:
+            try:
+                self.agent.remove_remote(peer)
+            except Exception:  # already gone: nothing to unload
+                pass
+            del self._sections[peer], self._users[peer]
+
+    async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
+        request = handoff_pb2.PrefillRequest()
+        request.CopyFrom(job.request)
+        request.data_plane = TO_PROTO[NIXL]
+        landing = _Landing(self, job.expect, time.monotonic() + handoff_budget(job.timeout_s))
+        try:
+            return await receive_handoff(self.client, self.engine, request, job.expect,
+                                         job.timeout_s, record, landing.resolve)
+        finally:
+            landing.close()
+            self._release_later(request.request_id, bytes(request.nonce))
+
+    def _release_later(self, request_id: str, nonce: bytes) -> None:
+        """Off the request's path; a release that fails is covered by prefill's grace (P-62)."""
+        task = asyncio.ensure_future(self._release(request_id, nonce))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release(self, request_id: str, nonce: bytes) -> None:
+        try:
+            await self.client.release(request_id, nonce, RELEASE_TIMEOUT_S)
+        except Exception:  # prefill gone or slow: its grace period frees the buffer
+            pass
+
+
+def nixl_receivers(config: DecodeConfig, client: PrefillClient, engine: DecodeEngine,
+                   counters: Counters, log) -> dict[str, KvReceiver]:
+    """{NIXL: receiver} when decode may use the plane (--data-plane auto or nixl, and no TLS
+    unless --allow-planes-without-tls) and its agent starts; {} otherwise (D-67)."""
+    svc = config.service
+    if config.data_plane not in ("auto", NIXL) or config.local_prefill:
+        return {}
+    if svc.tls_cert and not svc.allow_planes_without_tls:
+        return {}
+    agent, why = open_agent("decode", is_loopback_target(config.prefill_target))
+    if agent is None:
+        log.info("nixl_unavailable", message=f"decode does not use the NIXL plane: {why}")
+        return {}
+    return {NIXL: NixlReceiver(client, engine, agent, counters, config.nixl_read_timeout_s)}

@@ -1,0 +1,282 @@
+"""Decode's NIXL receiver fails closed: it READs each chunk into its own staging buffer and the
+1.1 checksums are checked over that copy; corrupt bytes, a READ that never completes, a peer
+killed mid-transfer and references outside the buffer are refused, the pages come back, a
+staging buffer a READ may still land in is never reused, and decode serves the next handoff;
+prefill frees a buffer decode never releases once the grace period passes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from common.counters import Counters
+from common.handoff.binding import new_nonce, prompt_digest
+from common.handoff.codec import commit_frame, frame_wire, header_frame
+from common.handoff.reasons import HandoffRefused
+from common.handoff.transfer import TransferRecord, TransferState
+from common.handoff.verifier import Expectation
+from common.kvpool.kv_cache import PoolConfig
+from common.pb.kvhandoff.v1 import handoff_pb2
+from common.sampling import SamplingConfig
+from decode_svc.engine_answer import engine_answer
+from decode_svc.kv_receiver import HandoffJob
+from decode_svc.nixl_receiver import NixlReceiver
+from prefill_svc.handoff_leases import HandoffLeases
+from prefill_svc.nixl_sender import NixlPlane, NixlSender
+from tests.isolation.inproc import Harness
+from tests.planes.nixl_env import nixl_or_skip
+from tests.planes.nixl_peer import NixlPeer
+from tests.planes.test_shared_memory_refusals import (CHUNK_TOKENS, FINGERPRINT, PROMPT,
+                                                      FakeClient, _landed_kv, _layout)
+
+READ_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def agent():
+    return nixl_or_skip()  # decode's agent, shared by the module (one per process in service)
+
+
+@pytest.fixture
+def harness():
+    h = Harness(PoolConfig(pool_tokens=256, page_size=16))
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def peer(harness, agent):
+    p = NixlPeer(_layout(harness))
+    if p.why:
+        p.close()
+        pytest.skip(p.why)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def receiver(agent):
+    return NixlReceiver(None, None, agent, Counters(), READ_TIMEOUT_S)
+
+
+def _handoff(h: Harness, peer: NixlPeer, request_id: str, nonce: bytes):
+    first, kv, _ = h.prefill(PROMPT)
+    layout = _layout(h)
+    frames = [frame_wire(header_frame(request_id, len(PROMPT), handoff_pb2.HANDOFF_STATUS_OK,
+                                      layout, FINGERPRINT, nonce=nonce,
+                                      digest=prompt_digest(PROMPT)))]
+    chunks = peer.ask("frames", request_id, nonce, [t.contiguous() for t in kv], CHUNK_TOKENS)
+    frames += chunks
+    frames.append(frame_wire(commit_frame(request_id, len(PROMPT), len(chunks), first,
+                                          nonce=nonce)))
+    return frames, kv
+
+
+def _run(h: Harness, receiver: NixlReceiver, client: FakeClient, request_id: str, nonce: bytes,
+         cancel_after: float | None = None):
+    receiver.client, receiver.engine = client, h.engine
+    record = TransferRecord(request_id, "nixl")
+
+    async def go():
+        await engine_answer(lambda done: h.engine.reserve(request_id, len(PROMPT), done))
+        expect = Expectation(request_id, len(PROMPT), _layout(h), FINGERPRINT, 4 << 20,
+                             h.model.config.vocab_size, nonce, prompt_digest(PROMPT))
+        request = handoff_pb2.PrefillRequest(request_id=request_id, token_ids=PROMPT,
+                                             nonce=nonce)
+        task = asyncio.ensure_future(receiver.receive(
+            HandoffJob(request, expect, SamplingConfig(), 30.0), record))
+        try:
+            if cancel_after is not None:  # the client leaves mid-handoff
+                await asyncio.sleep(cancel_after)
+                task.cancel()
+            return await task
+        finally:
+            await asyncio.sleep(0)
+            await asyncio.gather(*receiver._releases)
+
+    try:
+        return asyncio.run(go()), record
+    except HandoffRefused as err:
+        return err, record
+
+
+def _good(h, receiver, peer, request_id):
+    baseline = h.pages_free()
+    nonce = new_nonce()
+    frames, kv = _handoff(h, peer, request_id, nonce)
+    client = FakeClient(frames)
+    landed, record = _run(h, receiver, client, request_id, nonce)
+    assert record.state == TransferState.SUCCESS and not isinstance(landed, Exception), landed
+    assert landed.payload_bytes == sum(t.numel() * t.element_size() for t in kv)
+    for got, want in zip(_landed_kv(h, request_id), kv, strict=True):
+        assert torch.equal(got, want)
+    assert client.requests[0].data_plane == handoff_pb2.DATA_PLANE_NIXL
+    assert client.released == [(request_id, nonce)]
+    h.engine.release(request_id)
+    assert h.pages_free() == baseline
+
+
+def _refused(h, receiver, frames, nonce, request_id, die_after=None) -> HandoffRefused:
+    baseline = h.pages_free()
+    client = FakeClient(frames, die_after)
+    err, record = _run(h, receiver, client, request_id, nonce)
+    assert isinstance(err, HandoffRefused), err
+    assert record.state == TransferState.FAILED and record.failure == err.reason
+    assert client.call.cancelled and client.released == [(request_id, nonce)]
+    h.engine.release(request_id)
+    assert h.pages_free() == baseline
+    return err
+
+
+def test_a_good_handoff_lands_exactly_the_bytes_prefill_packed(harness, receiver, peer):
+    _good(harness, receiver, peer, "good")
+    assert receiver.staging.quarantined == []
+
+
+def test_corrupt_landed_bytes_are_refused(harness, receiver, peer):
+    nonce = new_nonce()
+    frames, kv = _handoff(harness, peer, "corrupt", nonce)
+    layer_bytes = kv[0].numel() * kv[0].element_size()
+    peer.ask("flip", layer_bytes + 5)  # layer 1's first chunk, after prefill packed it
+    err = _refused(harness, receiver, frames, nonce, "corrupt")
+    assert (err.reason, err.code) == ("CHECKSUM_MISMATCH", grpc.StatusCode.DATA_LOSS)
+    assert receiver.staging.quarantined == []  # the READ was done: the buffer serves again
+    _good(harness, receiver, peer, "after-corrupt")
+
+
+def test_a_read_that_never_completes_is_refused_and_its_buffer_never_reused(
+        harness, receiver, peer):
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "stalled", nonce)
+    peer.ask("stall")
+    try:
+        err = _refused(harness, receiver, frames, nonce, "stalled")
+    finally:
+        peer.ask("resume")
+    assert (err.reason, err.code) == ("TRANSFER_TIMEOUT", grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert len(receiver.staging.quarantined) == 1
+    stale = receiver.staging.quarantined[0][0]
+    assert receiver.staging.counters.get("nixl_buffers_quarantined") == 1
+    _good(harness, receiver, peer, "after-stall")  # decode still serves, in another buffer
+    assert receiver.staging.acquire(4 << 20)[0] is not stale
+
+
+class _KillingList(list):
+    """The frames, with the peer killed once decode asks for frame `at` (earlier chunks were
+    READ over a live connection)."""
+
+    def __init__(self, frames, peer, at):
+        super().__init__(frames)
+        self.peer, self.at = peer, at
+
+    def __iter__(self):
+        for i, frame in enumerate(list.__iter__(self)):
+            if i == self.at:
+                self.peer.kill()
+            yield frame
+
+
+def test_a_handoff_cancelled_mid_read_never_returns_the_buffer_the_read_may_land_in(
+        harness, receiver, peer):
+    baseline = harness.pages_free()
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "cancelled", nonce)
+    peer.ask("stall")
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            _run(harness, receiver, FakeClient(frames), "cancelled", nonce, cancel_after=0.5)
+    finally:
+        peer.ask("resume")
+    assert len(receiver.staging.quarantined) == 1
+    harness.engine.release("cancelled")
+    assert harness.pages_free() == baseline
+    _good(harness, receiver, peer, "after-cancel")
+
+
+@pytest.mark.parametrize("at", [1, 3])
+def test_a_peer_killed_mid_transfer_is_refused(harness, receiver, peer, at):
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "killed", nonce)
+    err = _refused(harness, receiver, _KillingList(frames, peer, at), nonce, "killed")
+    assert (err.reason, err.code) == ("TRANSFER_FAILED", grpc.StatusCode.UNAVAILABLE)
+    assert "chunk" in err.message
+    restarted = NixlPeer(_layout(harness))  # prefill restarted: decode serves it
+    try:
+        _good(harness, receiver, restarted, "after-kill")
+    finally:
+        restarted.close()
+
+
+def test_a_reference_past_its_buffer_is_refused_before_any_read(harness, receiver, peer):
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "past", nonce)
+    bad = handoff_pb2.PrefillResponse.FromString(frames[2])
+    bad.chunk.ref.k_offset = bad.chunk.ref.nixl_buffer_size
+    frames[2] = bad.SerializeToString()
+    err = _refused(harness, receiver, frames, nonce, "past")
+    assert err.reason == "REGION_INVALID" and "past the end" in err.message
+
+
+def test_a_buffer_no_chunk_described_is_refused(harness, receiver, peer):
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "undescribed", nonce)
+    bad = handoff_pb2.PrefillResponse.FromString(frames[1])
+    bad.chunk.ref.nixl_buffer_metadata = b""
+    frames[1] = bad.SerializeToString()
+    err = _refused(harness, receiver, frames, nonce, "undescribed")
+    assert err.reason == "REGION_INVALID" and "no earlier" in err.message
+
+
+def test_bytes_and_a_reference_together_are_refused(harness, receiver, peer):
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "both", nonce)
+    bad = handoff_pb2.PrefillResponse.FromString(frames[1])
+    bad.chunk.k = b"\0" * bad.chunk.ref.length
+    frames[1] = bad.SerializeToString()
+    err = _refused(harness, receiver, frames, nonce, "both")
+    assert err.reason == "REFERENCE_UNEXPECTED"
+
+
+def test_a_release_that_never_comes_frees_the_buffer_after_the_grace(harness, agent):
+    """prefill's side, in this process: the lease expires, the buffer is deregistered."""
+    nonce = new_nonce()
+    plane = NixlPlane(agent)
+    try:
+        counters = Counters()
+        leases = HandoffLeases(0.1, counters)
+        sender = NixlSender("never", _layout(harness), len(PROMPT), plane)
+        _, kv, _ = harness.prefill(PROMPT)
+        assert sender.chunk("never", 0, 0, 0, kv[0][:, :CHUNK_TOKENS].contiguous(), nonce)
+        assert plane._pinned == 1
+
+        async def go():
+            leases.add("never", nonce, sender)
+            leases.stream_ended("never", nonce, completed=True)
+            assert not leases.release("never", b"x" * 16)  # only the right nonce releases
+            await asyncio.sleep(0.3)
+
+        asyncio.run(go())
+        assert counters.get("handoff_releases_expired") == 1 and leases.held() == 0
+        assert plane._pinned == 0 and sender._reg is None
+        assert sender.chunk("never", 1, 0, CHUNK_TOKENS, kv[0][:, :4].contiguous(), nonce) is None
+    finally:
+        plane.close()
+
+
+def test_decode_unloads_a_peer_once_it_holds_many_buffer_sections(harness, receiver, peer,
+                                                                   monkeypatch):
+    """NIXL's lookups slow with every buffer section loaded: decode drops the peer after
+    MAX_SECTIONS_PER_PEER of them, when no handoff uses it, and reconnects on the next."""
+    monkeypatch.setattr("decode_svc.nixl_receiver.MAX_SECTIONS_PER_PEER", 2)
+    removed = []
+    real = receiver.agent.remove_remote
+    monkeypatch.setattr(receiver.agent, "remove_remote",
+                        lambda name: (removed.append(name), real(name)))
+    _good(harness, receiver, peer, "one")
+    assert removed == []
+    _good(harness, receiver, peer, "two")
+    assert len(removed) == 1 and receiver._sections == {} and receiver._users == {}
+    _good(harness, receiver, peer, "three")  # reconnected from the next handoff's metadata
