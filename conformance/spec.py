@@ -57,6 +57,8 @@ REFUSAL_STATUS: dict[str, grpc.StatusCode] = {
 PLANE_REFUSAL_STATUS: dict[str, grpc.StatusCode] = {
     "REGION_INVALID": C.DATA_LOSS,
     "REFERENCE_UNEXPECTED": C.INTERNAL,
+    "TRANSFER_FAILED": C.UNAVAILABLE,
+    "TRANSFER_TIMEOUT": C.DEADLINE_EXCEEDED,
 }
 
 # Prefill's rejections: header.reason_code (= ErrorInfo reason) -> status of its gRPC error.
