@@ -17,7 +17,6 @@ import socket
 import struct
 import threading
 
-import google_crc32c
 import numpy as np
 import torch
 
@@ -25,6 +24,7 @@ from bench.synthetic_prefill import (FINGERPRINT, SIZE_HEADER, VOCAB, PoolOnlyMo
                                      SyntheticSpec, _capacity, _recv_exact, random_pool)
 from common.config import PrefillConfig, ServiceConfig
 from common.counters import Counters
+from common.handoff.crc import crc32c_extend
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.handoff.nixl_agent import open_agent
 from common.log import make_logger
@@ -94,7 +94,7 @@ def _bare_sender(listener: socket.socket, nixl: NixlPlane) -> None:
                     buf = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy()
                     reg = nixl.agent.register(buf, share=True)
                     nixl.pinned(+1)
-                    buffers[size] = (buf, reg.metadata, google_crc32c.value(buf))
+                    buffers[size] = (buf, reg.metadata, crc32c_extend(0, buf))
                 buf, meta, crc = buffers[size]
                 nixl.emitted()
                 sock.sendall(ANSWER.pack(len(meta), buf.ctypes.data, crc) + meta)

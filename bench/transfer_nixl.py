@@ -19,12 +19,12 @@ import sys
 import time
 import uuid
 
-import google_crc32c
 import numpy as np
 
 from bench.bare_nixl import ANSWER, serve_in_process
 from bench.synthetic_prefill import FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, SyntheticSpec
 from common.handoff.binding import new_nonce, prompt_digest
+from common.handoff.crc import crc32c_extend
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
 from common.handoff.nixl_agent import DONE, IN_FLIGHT, LOOPBACK_UCX, NixlAgent, open_agent
 from common.handoff.transfer import TransferRecord
@@ -75,7 +75,7 @@ async def bare_read(agent: NixlAgent, sock: socket.socket, size: int, own: np.nd
         await asyncio.sleep(0)
         state = agent.state(handle)
     agent.release(handle)
-    if state != DONE or google_crc32c.value(own[:size]) != crc:
+    if state != DONE or crc32c_extend(0, own[:size]) != crc:
         raise RuntimeError(f"bare NIXL READ ended {state} or its crc32c differs")
     sock.sendall(b"\1")
     return time.perf_counter() - started

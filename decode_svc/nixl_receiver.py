@@ -113,7 +113,10 @@ class _Landing:
         await self._read(chunk.sequence_number, own, peer,
                          [(ref.nixl_address + ref.k_offset, ref.length),
                           (ref.nixl_address + ref.v_offset, ref.length)])
-        k, v = own[0], own[1]
+        # the staging buffer takes the next chunk's READ while the engine may still be landing
+        # this one (write_bytes queues views): hand on a copy that nothing else writes
+        landed = own.copy()  # [2, length] bytes
+        k, v = landed[0], landed[1]
         k.flags.writeable = False
         v.flags.writeable = False
         return WireChunkFrame(WireChunk(

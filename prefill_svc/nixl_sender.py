@@ -20,12 +20,12 @@ from __future__ import annotations
 import threading
 import time
 
-import google_crc32c
 import numpy as np
 import torch
 
 from common.handoff.binding import chunk_checksum, chunk_metadata
 from common.handoff.codec import frame_wire, kv_buffers
+from common.handoff.crc import payload_crc32c
 from common.handoff.layout import KvLayout
 from common.handoff.nixl_agent import NixlAgent, Registration
 from common.handoff.planes import NIXL
@@ -85,7 +85,7 @@ class NixlSender(KvSender):
         super().__init__(request_id)
         self.size = num_tokens * layout.kv_bytes_per_token
         self.nixl = nixl
-        self._buffer: np.ndarray | None = None  # [size] uint8, registered with the agent
+        self._pinned: np.ndarray | None = None  # [size] uint8, registered with the agent
         self._reg: Registration | None = None
         self._cursor = 0
         self._lock = threading.Lock()  # chunk (engine thread) vs release (event loop)
@@ -99,17 +99,17 @@ class NixlSender(KvSender):
                 return None
             first = self._reg is None
             if first:
-                self._buffer = np.empty(self.size, dtype=np.uint8)
-                self._reg = self.nixl.agent.register(self._buffer, share=True)
+                self._pinned = np.empty(self.size, dtype=np.uint8)
+                self._reg = self.nixl.agent.register(self._pinned, share=True)
                 self.nixl.pinned(+1)
             k_offset, v_offset = self._cursor, self._cursor + len(k)
-            self._buffer[k_offset:v_offset] = np.frombuffer(k, dtype=np.uint8)
-            self._buffer[v_offset:v_offset + len(v)] = np.frombuffer(v, dtype=np.uint8)
+            self._pinned[k_offset:v_offset] = np.frombuffer(k, dtype=np.uint8)
+            self._pinned[v_offset:v_offset + len(v)] = np.frombuffer(v, dtype=np.uint8)
             self._cursor = v_offset + len(v)
             reg = self._reg
         self.nixl.emitted()
         token_end = token_start + kv.shape[1]
-        crc = google_crc32c.extend(google_crc32c.value(k), v)
+        crc = payload_crc32c(k, v)
         meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
         return frame_wire(handoff_pb2.PrefillResponse(chunk=handoff_pb2.KvChunk(
             request_id=request_id, sequence_number=sequence_number, layer=layer,
@@ -122,7 +122,7 @@ class NixlSender(KvSender):
     def release(self, committed: bool) -> None:
         with self._lock:
             self._released = True
-            reg, self._reg, self._buffer = self._reg, None, None
+            reg, self._reg, self._pinned = self._reg, None, None
             if reg is not None:
                 self.nixl.agent.deregister(reg)
                 self.nixl.pinned(-1)

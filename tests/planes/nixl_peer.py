@@ -39,7 +39,7 @@ def _serve(conn, layout) -> None:
                     seq += 1
             conn.send(frames)
         elif command == "flip":
-            sender._buffer[args[0]] ^= 0x10
+            sender._pinned[args[0]] ^= 0x10
             conn.send(True)
         elif command == "stall":
             agent._lock.acquire()  # the progress thread blocks: no READ against us completes
