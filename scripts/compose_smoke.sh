@@ -246,6 +246,10 @@ t=$(now)
     --max-tokens 64 | tee "$work/stream.json" >&2 || die "streaming a generation failed"
 timings[stream]=$(since "$t")
 checks+=("a 64-token generation streamed from the host via 127.0.0.1:$api_port")
+# the KV of that generation crossed between the containers over their shared tmpfs volume
+"${compose[@]}" logs --no-color decode 2>/dev/null | grep '"handoff_verified"' \
+    | grep -q '"plane": "shared-memory"' || die "decode did not hand off over shared memory"
+checks+=("decode handed off over shared memory between the containers")
 
 wait_healthy "$standalone" 180
 docker rm -f "$standalone" >/dev/null

@@ -73,7 +73,8 @@ def test_compose_smoke(tmp_path):
     summary = json.loads(report.read_text())
     checks = "\n".join(summary["checks"])
     for promise in ("uid 10001", "/models read-only", "127.0.0.1", "streamed from the host",
-                    "own HEALTHCHECK", "decode drained with", "both exit 0", "down: no container"):
+                    "own HEALTHCHECK", "over shared memory", "decode drained with", "both exit 0",
+                    "down: no container"):
         assert promise in checks, (promise, checks)
 
 
