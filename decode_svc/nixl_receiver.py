@@ -26,7 +26,6 @@ import numpy as np
 from common.config import DecodeConfig
 from common.counters import Counters
 from common.handoff.codec import WireChunk, WireChunkFrame
-from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.handoff.nixl_agent import DONE, IN_FLIGHT, NixlAgent, Registration, open_agent
 from common.handoff.planes import NIXL, TO_PROTO
 from common.handoff.reasons import refuse
@@ -34,6 +33,7 @@ from common.handoff.transfer import TransferRecord
 from common.handoff.verifier import Expectation
 from common.server.loopback import is_loopback_target
 from common.pb.kvhandoff.v1 import handoff_pb2
+from decode_svc.chunk_reference import chunk_limit, reference_to_fetch
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import handoff_budget, receive_handoff
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
@@ -92,22 +92,11 @@ class _Landing:
         self.tainted = False
 
     async def resolve(self, frame):
-        if frame is None or frame.WhichOneof("frame") != "chunk":
+        chunk = reference_to_fetch(frame, self.expect, "NIXL")
+        if chunk is None:
             return frame
-        chunk = frame.chunk
-        if not chunk.HasField("ref"):
-            return frame  # the verifier refuses its empty K and V (CHUNK_SIZE_MISMATCH)
-        if len(chunk.k) or len(chunk.v):
-            raise refuse("REFERENCE_UNEXPECTED", f"chunk {chunk.sequence_number} carries both "
-                         "inline bytes and a NIXL reference")
         ref = chunk.ref
-        layout = self.expect.layout
-        limit = self.expect.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES
-        tokens = chunk.token_end - chunk.token_start
-        if tokens <= 0 or tokens > self.expect.token_count or 2 * ref.length > limit:
-            return frame  # out of range or too large: the verifier names the rule, nothing read
-        if ref.length != tokens * layout.k_bytes_per_token_per_layer:
-            return frame  # the verifier refuses the size (CHUNK_SIZE_MISMATCH)
+        limit = chunk_limit(self.expect)
         peer = self._buffer(chunk.sequence_number, ref)
         own = self._own(limit)[: 2 * ref.length].reshape(2, ref.length)  # [2, length] bytes
         await self._read(chunk.sequence_number, own, peer,

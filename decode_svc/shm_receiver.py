@@ -16,13 +16,13 @@ import asyncio
 import numpy as np
 
 from common.handoff.codec import WireChunk, WireChunkFrame
-from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.handoff.planes import SHARED_MEMORY, TO_PROTO, host_identity
 from common.handoff.reasons import refuse
 from common.handoff.shm_region import RegionError, RegionReader
 from common.handoff.transfer import TransferRecord
 from common.handoff.verifier import Expectation
 from common.pb.kvhandoff.v1 import handoff_pb2
+from decode_svc.chunk_reference import reference_to_fetch
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import receive_handoff
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
@@ -41,22 +41,10 @@ class _Landing:
         self.readers: dict[str, RegionReader] = {}
 
     def resolve(self, frame):
-        if frame is None or frame.WhichOneof("frame") != "chunk":
+        chunk = reference_to_fetch(frame, self.expect, "shared-memory")
+        if chunk is None:
             return frame
-        chunk = frame.chunk
-        if not chunk.HasField("ref"):
-            return frame  # the verifier refuses its empty K and V (CHUNK_SIZE_MISMATCH)
-        if len(chunk.k) or len(chunk.v):
-            raise refuse("REFERENCE_UNEXPECTED", f"chunk {chunk.sequence_number} carries both "
-                         "inline bytes and a shared-memory reference")
         ref = chunk.ref
-        layout = self.expect.layout
-        limit = self.expect.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES
-        tokens = chunk.token_end - chunk.token_start
-        if tokens <= 0 or tokens > self.expect.token_count or 2 * ref.length > limit:
-            return frame  # out of range or too large: the verifier names the rule, nothing read
-        if ref.length != tokens * layout.k_bytes_per_token_per_layer:
-            return frame  # the verifier refuses the size (CHUNK_SIZE_MISMATCH)
         reader = self._reader(ref.region)
         flat = np.empty((2, ref.length), dtype=np.uint8)  # [2, length] decode's own memory
         try:
