@@ -31,8 +31,8 @@ from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
 from decode_svc.content_check import (ContentCheckConfig, FiniteTracker, check_content,
                                       refusal_if_not_finite)
-from decode_svc.engine_commands import (Begin, Release, Reserve, Stop, Verify, Write,
-                                        WriteBytes)
+from decode_svc.engine_commands import (AfterWrites, Begin, Landed, Release, Reserve, Stop,
+                                        Verify, Write, WriteBytes)
 from decode_svc.finite_bits import all_finite_bytes
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
 
@@ -61,7 +61,7 @@ class DecodeEngine:
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._handlers: dict[type, Callable[[object], None]] = {
             Reserve: self._on_reserve, Write: self._on_write, WriteBytes: self._on_write_bytes,
-            Verify: self._on_verify,
+            Landed: self._on_landed, AfterWrites: self._on_after_writes, Verify: self._on_verify,
             Begin: self._on_begin, Release: self._on_release}
 
     # ---- called from the event loop (thread-safe) ----
@@ -93,6 +93,14 @@ class DecodeEngine:
         """A verified chunk's K and V bytes as received (decode's own copy, never a buffer a
         peer can still change); ignored if the request no longer holds pages."""
         self.submit(WriteBytes(request_id, layer, token_start, num_tokens, k, v))
+
+    def landed(self, request_id: str, all_finite: bool) -> None:
+        """A verified chunk already in the request's pages (decode_svc.page_landing)."""
+        self.submit(Landed(request_id, all_finite))
+
+    def after_writes(self, then) -> None:
+        """then() on the engine thread after every command queued so far."""
+        self.submit(AfterWrites(then))
 
     def verify(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
                done) -> None:
@@ -205,6 +213,16 @@ class DecodeEngine:
             self._write_failed.add(request_id)
             self.log.exception("kv_write_failed", request_id=request_id, layer=layer,
                                error=str(exc))
+
+    def _on_landed(self, command: Landed) -> None:
+        if self.pool.allocator.holds(command.request_id):
+            self._finite.observe_result(command.request_id, command.all_finite)
+
+    def _on_after_writes(self, command: AfterWrites) -> None:
+        try:
+            command.then()
+        except Exception as exc:  # a hook's failure never stops the engine
+            self.log.exception("after_writes_failed", error=str(exc))
 
     def _unusable_pages(self, request_id: str) -> ServiceError | None:
         """Why the request's pages cannot be read: released, or a KV write into them failed."""

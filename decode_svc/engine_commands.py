@@ -56,6 +56,23 @@ class WriteBytes:
 
 
 @dataclass(frozen=True)
+class Landed:
+    """A verified chunk an out-of-band plane read straight into the request's pages
+    (decode_svc.page_landing); all_finite: its values, checked on those pages."""
+
+    request_id: str
+    all_finite: bool
+
+
+@dataclass(frozen=True)
+class AfterWrites:
+    """Runs then() on the engine thread once every command queued before it ran: a plane hands
+    back the buffer its queued writes read from (decode_svc.nixl_receiver)."""
+
+    then: Callable[[], None]
+
+
+@dataclass(frozen=True)
 class Verify:
     """The content checks over the request's pages; done(ContentVerdict | ServiceError)."""
 

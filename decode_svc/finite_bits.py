@@ -27,13 +27,22 @@ BLOCK_VALUES = 1 << 17
 
 def all_finite_bytes(data: np.ndarray, dtype: torch.dtype) -> bool:
     """data: uint8 array holding whole values of dtype (read only, any size) -> all finite."""
+    return all_finite_pieces((data,), dtype)
+
+
+def all_finite_pieces(pieces, dtype: torch.dtype) -> bool:
+    """pieces: uint8 arrays, each holding whole values of dtype -> all finite (one scratch
+    block for all of them: a chunk landed in pages comes as one piece per run of slots)."""
     word, magnitude, exponent = _BITS[dtype]
-    values = data.view(word)
-    scratch = np.empty(min(values.size, BLOCK_VALUES), word)
-    for start in range(0, values.size, BLOCK_VALUES):
-        part = values[start:start + BLOCK_VALUES]
-        masked = scratch[:part.size]
-        np.bitwise_and(part, word(magnitude), out=masked)
-        if masked.max() >= exponent:
-            return False
+    scratch = np.empty(BLOCK_VALUES, word)
+    for data in pieces:
+        values = data.view(word)
+        for start in range(0, values.size, BLOCK_VALUES):
+            part = values[start:start + BLOCK_VALUES]
+            if not part.size:
+                continue
+            masked = scratch[:part.size]
+            np.bitwise_and(part, word(magnitude), out=masked)
+            if masked.max() >= exponent:
+                return False
     return True

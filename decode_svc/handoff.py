@@ -20,7 +20,8 @@ import numpy as np
 from common.errors import error_reason
 from common.handoff.reasons import HandoffRefused, refuse
 from common.handoff.transfer import TransferRecord, TransferState
-from common.handoff.verifier import Expectation, HandoffState, HandoffVerifier
+from common.handoff.verifier import (Expectation, HandoffState, HandoffVerifier,
+                                     VerifiedChunk)
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
@@ -31,6 +32,9 @@ from decode_svc.prefill_client import PrefillClient
 # replace a chunk's reference by decode's own copy of the bytes it names (or refuse it). It may
 # return an awaitable (NIXL waits for its READ).
 Resolve = Callable[[object], object]
+# What happens to a verified chunk: by default its bytes go to the engine's write path; a plane
+# that read them straight into the request's pages only tells the engine they are there.
+Deliver = Callable[[VerifiedChunk], None]
 
 DEADLINE_MARGIN_FRACTION = 0.1
 DEADLINE_MARGIN_MAX_S = 1.0
@@ -56,9 +60,11 @@ def handoff_budget(timeout: float) -> float:
 async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
                           request: handoff_pb2.PrefillRequest, expect: Expectation,
                           timeout: float, record: TransferRecord | None = None,
-                          resolve: Resolve | None = None) -> LandedKv:
+                          resolve: Resolve | None = None, deliver: Deliver | None = None
+                          ) -> LandedKv:
     """Returns once the stream ended in a verified commit; raises HandoffRefused otherwise.
-    resolve (out-of-band planes) runs on each frame before the verifier sees it."""
+    resolve (out-of-band planes) runs on each frame before the verifier sees it; deliver, on
+    each verified chunk instead of the engine's write."""
     record = record or TransferRecord(request.request_id, "inline")
     verifier = HandoffVerifier(expect)
     call = client.prefill(request, handoff_budget(timeout))
@@ -76,12 +82,10 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
             if chunk is not None:
                 record.move(TransferState.TRANSFERRING)
                 received += len(chunk.k) + len(chunk.v)
-                # the verified bytes go to the engine as they are: decode's own copy (the
-                # received frame, or what a plane read out of its region), no tensor between
-                engine.write_bytes(expect.request_id, chunk.layer, chunk.token_start,
-                                   chunk.token_end - chunk.token_start,
-                                   np.frombuffer(chunk.k, dtype=np.uint8),
-                                   np.frombuffer(chunk.v, dtype=np.uint8))
+                if deliver is not None:
+                    deliver(chunk)
+                else:
+                    write_chunk(engine, expect.request_id, chunk)
                 record.bytes_landed = received
         landed = LandedKv(verifier.finish(), received, verifier.bound)
         record.move(TransferState.SUCCESS)
@@ -95,6 +99,15 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
         raise
     finally:
         call.cancel()  # a no-op once the call is done; stops prefill's work otherwise
+
+
+def write_chunk(engine: DecodeEngine, request_id: str, chunk: VerifiedChunk) -> None:
+    """The verified bytes go to the engine as they are: decode's own copy (the received frame,
+    or what a plane read out of its region), no tensor between."""
+    engine.write_bytes(request_id, chunk.layer, chunk.token_start,
+                       chunk.token_end - chunk.token_start,
+                       np.frombuffer(chunk.k, dtype=np.uint8),
+                       np.frombuffer(chunk.v, dtype=np.uint8))
 
 
 def _inline_only(frame):

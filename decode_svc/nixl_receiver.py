@@ -2,7 +2,9 @@
 its NIXL agent; decode READs the bytes into its OWN staging buffer (a one-sided transfer decode
 initiates; decode never registers its pool for a peer), waits for completion with a deadline,
 then the verifier checks sizes and both 1.1 checksums over that copy, then the engine writes it,
-exactly as inline.
+exactly as inline. A handoff's staging buffer holds the whole handoff (each chunk READ at its own
+offset, none overwritten), so the engine's queued writes read it in place; it goes back to the
+pool only after those writes ran (an engine AfterWrites command).
 
 Invariants (besides KvReceiver's):
 - a reference is bounded before anything is read: length = the layout's size for its token
@@ -10,9 +12,9 @@ Invariants (besides KvReceiver's):
   reference described (its partial agent metadata), at most MAX_BUFFERS_PER_HANDOFF buffers;
 - a READ that fails is refused (TRANSFER_FAILED), one that is not DONE by the deadline (the
   sooner of read_timeout_s and the handoff's budget) is refused (TRANSFER_TIMEOUT);
-- a staging buffer is reused only after the READ into it was DONE; after a failed or timed-out
-  READ it is quarantined for good (kept registered and referenced, never handed out again), so
-  bytes that land late cannot reach another request's chunk;
+- a staging buffer is reused only after every READ into it was DONE and every engine write
+  from it ran; after a failed or timed-out READ it is quarantined for good (kept registered and
+  referenced, never handed out again), so bytes that land late cannot reach another request;
 - ReleaseHandoff is sent however the handoff ends (off the request's path).
 """
 
@@ -27,13 +29,14 @@ from common.config import DecodeConfig
 from common.counters import Counters
 from common.handoff.codec import WireChunk, WireChunkFrame
 from common.handoff.nixl_agent import DONE, IN_FLIGHT, NixlAgent, Registration, open_agent
+from common.handoff.nixl_buffers import RegisteredBuffers
 from common.handoff.planes import NIXL, TO_PROTO
 from common.handoff.reasons import refuse
 from common.handoff.transfer import TransferRecord
 from common.handoff.verifier import Expectation
 from common.server.loopback import is_loopback_target
 from common.pb.kvhandoff.v1 import handoff_pb2
-from decode_svc.chunk_reference import chunk_limit, reference_to_fetch
+from decode_svc.chunk_reference import reference_to_fetch
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import handoff_budget, receive_handoff
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
@@ -52,24 +55,22 @@ POLL_PAUSE_S = 2e-4
 
 
 class StagingPool:
-    """decode's registered landing buffers, handed out one per handoff and returned after it;
-    a buffer a READ may still write into is quarantined instead (never handed out again)."""
+    """decode's registered landing buffers (never shared with a peer), handed out one per
+    handoff and returned after it; a buffer a READ may still write into is quarantined instead
+    (never handed out again)."""
 
     def __init__(self, agent: NixlAgent, counters: Counters) -> None:
         self.agent = agent
         self.counters = counters
-        self._free: dict[int, list[tuple[np.ndarray, Registration]]] = {}
+        self._buffers = RegisteredBuffers(agent, share=False)
         self.quarantined: list[tuple[np.ndarray, Registration]] = []
 
     def acquire(self, size: int) -> tuple[np.ndarray, Registration]:
-        free = self._free.get(size)
-        if free:
-            return free.pop()
-        buf = np.empty(size, dtype=np.uint8)  # [size] decode's own memory
-        return buf, self.agent.register(buf, share=False)
+        """-> a buffer of at least size bytes (decode's own memory) and its registration."""
+        return self._buffers.acquire(size)
 
     def give_back(self, staging: tuple[np.ndarray, Registration]) -> None:
-        self._free.setdefault(staging[0].nbytes, []).append(staging)
+        self._buffers.give_back(*staging)
 
     def quarantine(self, staging: tuple[np.ndarray, Registration]) -> None:
         self.quarantined.append(staging)
@@ -89,6 +90,7 @@ class _Landing:
         self.buffers: dict[int, tuple[str, int]] = {}  # prefill address -> (peer agent, size)
         self.peers: set[str] = set()
         self.staging: tuple[np.ndarray, Registration] | None = None
+        self.cursor = 0  # where the next chunk lands in the staging buffer
         self.tainted = False
 
     async def resolve(self, frame):
@@ -96,16 +98,19 @@ class _Landing:
         if chunk is None:
             return frame
         ref = chunk.ref
-        limit = chunk_limit(self.expect)
         peer = self._buffer(chunk.sequence_number, ref)
-        own = self._own(limit)[: 2 * ref.length].reshape(2, ref.length)  # [2, length] bytes
+        staging = self._own()
+        if self.cursor + 2 * ref.length > staging.nbytes:
+            raise refuse("REGION_INVALID", f"chunk {chunk.sequence_number} refers to more bytes "
+                         "than the handoff's KV holds")
+        # [2, length] bytes of its own in the staging buffer: the engine's queued write of this
+        # chunk reads them there while later chunks land further on
+        own = staging[self.cursor:self.cursor + 2 * ref.length].reshape(2, ref.length)
+        self.cursor += 2 * ref.length
         await self._read(chunk.sequence_number, own, peer,
                          [(ref.nixl_address + ref.k_offset, ref.length),
                           (ref.nixl_address + ref.v_offset, ref.length)])
-        # the staging buffer takes the next chunk's READ while the engine may still be landing
-        # this one (write_bytes queues views): hand on a copy that nothing else writes
-        landed = own.copy()  # [2, length] bytes
-        k, v = landed[0], landed[1]
+        k, v = own[0], own[1]
         k.flags.writeable = False
         v.flags.writeable = False
         return WireChunkFrame(WireChunk(
@@ -143,9 +148,10 @@ class _Landing:
                          "chunk of the handoff described")
         return known[0]
 
-    def _own(self, limit: int) -> np.ndarray:
+    def _own(self) -> np.ndarray:
         if self.staging is None:
-            self.staging = self.receiver.staging.acquire(limit)
+            size = self.expect.token_count * self.expect.layout.kv_bytes_per_token
+            self.staging = self.receiver.staging.acquire(size)
         return self.staging[0]
 
     async def _read(self, seq: int, own: np.ndarray, peer: str,
@@ -183,11 +189,12 @@ class _Landing:
             self.receiver.unload_peer(peer)
         self.peers.clear()
         if self.staging is not None:
+            staging, self.staging = self.staging, None
             if self.tainted:
-                self.receiver.staging.quarantine(self.staging)
-            else:
-                self.receiver.staging.give_back(self.staging)
-            self.staging = None
+                self.receiver.staging.quarantine(staging)
+            else:  # after the engine's writes from it, queued before this
+                pool = self.receiver.staging
+                self.receiver.engine.after_writes(lambda: pool.give_back(staging))
 
 
 class NixlReceiver(KvReceiver):

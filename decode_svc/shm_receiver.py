@@ -1,6 +1,9 @@
 """The shared-memory plane on decode: chunk frames carry references into a region prefill wrote
-on this host; decode copies the bytes into its own buffer FIRST, then the verifier checks the
-frame (sizes, both 1.1 checksums) over that copy, then the engine writes it, exactly as inline.
+on this host; decode copies the bytes into its own memory FIRST, then the verifier checks the
+frame (sizes, both 1.1 checksums) over that copy, exactly as inline. With a CPU pool the copy is
+one preadv straight into the request's own pages (decode_svc.page_landing: no staging buffer, no
+engine write after it), and the finiteness check runs there too; otherwise the bytes land in a
+buffer of decode's own and go to the engine's write path.
 
 Invariants (besides KvReceiver's): bytes are read only from regions named "kvh-<32 hex>" in
 decode's own shared-memory directory that pass shm_region's owner and mode checks; a reference
@@ -18,14 +21,17 @@ import numpy as np
 from common.handoff.codec import WireChunk, WireChunkFrame
 from common.handoff.planes import SHARED_MEMORY, TO_PROTO, host_identity
 from common.handoff.reasons import refuse
+from common.handoff.scattered import ScatteredBytes
 from common.handoff.shm_region import RegionError, RegionReader
 from common.handoff.transfer import TransferRecord
-from common.handoff.verifier import Expectation
+from common.handoff.verifier import Expectation, VerifiedChunk
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.chunk_reference import reference_to_fetch
 from decode_svc.engine import DecodeEngine
-from decode_svc.handoff import receive_handoff
+from decode_svc.finite_bits import all_finite_pieces
+from decode_svc.handoff import receive_handoff, write_chunk
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.page_landing import PageLanding
 from decode_svc.prefill_client import PrefillClient
 
 MAX_REGIONS_PER_HANDOFF = 4
@@ -35,31 +41,54 @@ RELEASE_TIMEOUT_S = 5.0
 class _Landing:
     """One handoff's open regions and the copy-out of each referenced chunk."""
 
-    def __init__(self, directory: str, expect: Expectation) -> None:
+    def __init__(self, directory: str, expect: Expectation, engine: DecodeEngine,
+                 pages: PageLanding) -> None:
         self.directory = directory
         self.expect = expect
+        self.engine = engine
+        self.pages = pages
         self.readers: dict[str, RegionReader] = {}
 
     def resolve(self, frame):
         chunk = reference_to_fetch(frame, self.expect, "shared-memory")
         if chunk is None:
             return frame
+        expect = self.expect
+        if chunk.request_id != expect.request_id or not self.pages.in_range(
+                chunk.layer, chunk.token_start, chunk.token_end, expect.token_count):
+            return frame  # the verifier refuses its id or range; nothing read
         ref = chunk.ref
         reader = self._reader(ref.region)
-        flat = np.empty((2, ref.length), dtype=np.uint8)  # [2, length] decode's own memory
         try:
-            reader.read_into(ref.k_offset, flat[0])
-            reader.read_into(ref.v_offset, flat[1])
+            if self.pages.in_place:
+                k, v = self.pages.pieces(expect.request_id, chunk.layer, chunk.token_start,
+                                         chunk.token_end)
+                reader.scatter_into(ref.k_offset, k.pieces)
+                reader.scatter_into(ref.v_offset, v.pieces)
+            else:
+                flat = np.empty((2, ref.length), dtype=np.uint8)  # [2, length] decode's own
+                reader.read_into(ref.k_offset, flat[0])
+                reader.read_into(ref.v_offset, flat[1])
+                k, v = flat[0], flat[1]
+                k.flags.writeable = False
+                v.flags.writeable = False
         except (RegionError, OSError) as err:
             raise refuse("REGION_INVALID", f"chunk {chunk.sequence_number}: {err}") from err
-        k, v = flat[0], flat[1]
-        k.flags.writeable = False
-        v.flags.writeable = False
         return WireChunkFrame(WireChunk(
             request_id=chunk.request_id, sequence_number=chunk.sequence_number,
             layer=chunk.layer, token_start=chunk.token_start, token_end=chunk.token_end,
             k=k, v=v, crc32c=chunk.crc32c, nonce=bytes(chunk.nonce),
             chunk_crc32c=chunk.chunk_crc32c))
+
+    def deliver(self, chunk: VerifiedChunk) -> None:
+        """A verified chunk: already in the pages (tell the engine, with its finiteness), or in
+        decode's own buffer (the engine's write path)."""
+        if isinstance(chunk.k, ScatteredBytes):
+            dtype = self.expect.layout.dtype
+            self.engine.landed(self.expect.request_id,
+                               all_finite_pieces(chunk.k.pieces + chunk.v.pieces, dtype))
+        else:
+            write_chunk(self.engine, self.expect.request_id, chunk)
 
     def _reader(self, name: str) -> RegionReader:
         reader = self.readers.get(name)
@@ -92,6 +121,7 @@ class SharedMemoryReceiver(KvReceiver):
         self.engine = engine
         self.directory = directory
         self.host_id = host_identity(directory)
+        self.pages = PageLanding(engine.pool)
         self._releases: set[asyncio.Task] = set()
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
@@ -99,10 +129,11 @@ class SharedMemoryReceiver(KvReceiver):
         request.CopyFrom(job.request)
         request.data_plane = TO_PROTO[SHARED_MEMORY]
         request.data_plane_host_id = self.host_id
-        landing = _Landing(self.directory, job.expect)
+        landing = _Landing(self.directory, job.expect, self.engine, self.pages)
         try:
             return await receive_handoff(self.client, self.engine, request, job.expect,
-                                         job.timeout_s, record, landing.resolve)
+                                         job.timeout_s, record, landing.resolve,
+                                         landing.deliver)
         finally:
             landing.close()
             self._release_later(request.request_id, bytes(request.nonce))

@@ -2,7 +2,8 @@
 prefill's NIXL agent; the chunk frames carry references (address, offsets, length, and on the
 first chunk the buffer's partial agent metadata) with the same 1.1 checksums, and decode READs
 the bytes into its own memory (a one-sided transfer decode initiates: prefill never writes into
-decode, and decode never exposes its pool).
+decode, and decode never exposes its pool). The buffers come from the plane's
+`RegisteredBuffers` and go back to it on release, registered, for a later handoff.
 
 `NixlPlane` is the process's agent plus the thread that progresses it: without NIXL's own
 progress thread (it spins a core per agent) a READ against prefill's memory completes only when
@@ -12,7 +13,8 @@ last HOT_S seconds, rarely while buffers are merely pinned, and not at all when 
 Invariants (besides KvSender's): the buffer is registered before the first frame naming it is
 returned, every byte a frame names is written before the frame is returned, and the buffer stays
 registered and unchanged until `release` (decode's ReleaseHandoff, or the stream's end plus the
-grace period: prefill_svc.handoff_leases), which deregisters it and drops it for good.
+grace period: prefill_svc.handoff_leases), which hands it back to the plane's buffers (kept
+registered for a later handoff, or deregistered when too many are idle).
 """
 
 from __future__ import annotations
@@ -21,16 +23,13 @@ import threading
 import time
 
 import numpy as np
-import torch
 
-from common.handoff.binding import chunk_checksum, chunk_metadata
-from common.handoff.codec import frame_wire, kv_buffers
-from common.handoff.crc import payload_crc32c
 from common.handoff.layout import KvLayout
 from common.handoff.nixl_agent import NixlAgent, Registration
 from common.handoff.planes import NIXL
 from common.pb.kvhandoff.v1 import handoff_pb2
-from prefill_svc.kv_sender import KvSender
+from common.handoff.nixl_buffers import DEFAULT_MAX_IDLE_BYTES, RegisteredBuffers
+from prefill_svc.oob_sender import OutOfBandSender
 
 HOT_S = 0.5
 HOT_PAUSE_S = 50e-6
@@ -40,9 +39,11 @@ COLD_PAUSE_S = 2e-3
 class NixlPlane:
     """prefill's agent and its progress thread; close() stops the thread (shutdown only)."""
 
-    def __init__(self, agent: NixlAgent) -> None:
+    def __init__(self, agent: NixlAgent,
+                 max_idle_bytes: int = DEFAULT_MAX_IDLE_BYTES) -> None:
         self.agent = agent
         self.metadata = agent.metadata()
+        self.buffers = RegisteredBuffers(agent, True, max_idle_bytes)
         self._pinned = 0
         self._last_emit = 0.0
         self._wake = threading.Condition()
@@ -74,56 +75,33 @@ class NixlPlane:
             self._stopped = True
             self._wake.notify()
         self._thread.join(timeout=5)
+        self.buffers.close()
 
 
-class NixlSender(KvSender):
+class NixlSender(OutOfBandSender):
     plane = NIXL
-    pins_bytes = True
 
     def __init__(self, request_id: str, layout: KvLayout, num_tokens: int, nixl: NixlPlane
                  ) -> None:
-        super().__init__(request_id)
-        self.size = num_tokens * layout.kv_bytes_per_token
+        super().__init__(request_id, layout, num_tokens)
         self.nixl = nixl
-        self._pinned: np.ndarray | None = None  # [size] uint8, registered with the agent
+        self._pinned: np.ndarray | None = None  # [>= size] uint8, registered with the agent
         self._reg: Registration | None = None
-        self._cursor = 0
-        self._lock = threading.Lock()  # chunk (engine thread) vs release (event loop)
-        self._released = False
 
-    def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
-              kv: torch.Tensor, nonce: bytes) -> bytes | None:
-        k, v = kv_buffers(kv)
-        with self._lock:
-            if self._released or not self._sending():
-                return None
-            first = self._reg is None
-            if first:
-                self._pinned = np.empty(self.size, dtype=np.uint8)
-                self._reg = self.nixl.agent.register(self._pinned, share=True)
-                self.nixl.pinned(+1)
-            k_offset, v_offset = self._cursor, self._cursor + len(k)
-            self._pinned[k_offset:v_offset] = np.frombuffer(k, dtype=np.uint8)
-            self._pinned[v_offset:v_offset + len(v)] = np.frombuffer(v, dtype=np.uint8)
-            self._cursor = v_offset + len(v)
-            reg = self._reg
+    def _open(self) -> np.ndarray:
+        self._pinned, self._reg = self.nixl.buffers.acquire(self.size)
+        self.nixl.pinned(+1)
+        return self._pinned
+
+    def _reference(self, k_offset: int, v_offset: int, length: int, first: bool
+                   ) -> handoff_pb2.KvRegionRef:
         self.nixl.emitted()
-        token_end = token_start + kv.shape[1]
-        crc = payload_crc32c(k, v)
-        meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
-        return frame_wire(handoff_pb2.PrefillResponse(chunk=handoff_pb2.KvChunk(
-            request_id=request_id, sequence_number=sequence_number, layer=layer,
-            token_start=token_start, token_end=token_end, crc32c=crc, nonce=nonce,
-            chunk_crc32c=chunk_checksum(crc, meta),
-            ref=handoff_pb2.KvRegionRef(
-                k_offset=k_offset, v_offset=v_offset, length=len(k), nixl_address=reg.address,
-                nixl_buffer_size=reg.size, nixl_buffer_metadata=reg.metadata if first else b""))))
+        reg = self._reg
+        return handoff_pb2.KvRegionRef(
+            k_offset=k_offset, v_offset=v_offset, length=length, nixl_address=reg.address,
+            nixl_buffer_size=reg.size, nixl_buffer_metadata=reg.metadata if first else b"")
 
-    def release(self, committed: bool) -> None:
-        with self._lock:
-            self._released = True
-            reg, self._reg, self._pinned = self._reg, None, None
-            if reg is not None:
-                self.nixl.agent.deregister(reg)
-                self.nixl.pinned(-1)
-        super().release(committed)
+    def _close(self) -> None:
+        pinned, reg, self._pinned, self._reg = self._pinned, self._reg, None, None
+        self.nixl.buffers.give_back(pinned, reg)
+        self.nixl.pinned(-1)

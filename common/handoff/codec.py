@@ -135,7 +135,8 @@ def frame_wire(frame: handoff_pb2.PrefillResponse) -> bytes:
 @dataclass(frozen=True, slots=True)
 class WireChunk:
     """A KvChunk read without copying its payload: k and v are read-only uint8 numpy views of
-    the received frame (the verifier needs only len() and crc32c over them)."""
+    the received frame, or decode's own copy of referenced bytes (ScatteredBytes when they
+    landed in its pages); the verifier needs only len() and crc32c over them."""
 
     request_id: str
     sequence_number: int

@@ -12,6 +12,8 @@ from __future__ import annotations
 import google_crc32c
 import numpy as np
 
+from common.handoff.scattered import ScatteredBytes
+
 try:
     import crc32c as _hw
 except ImportError:  # pragma: no cover - the fallback keeps every check, only slower
@@ -19,7 +21,12 @@ except ImportError:  # pragma: no cover - the fallback keeps every check, only s
 
 
 def crc32c_extend(value: int, data) -> int:
-    """CRC-32C of (whatever gave `value`) || data; value 0 starts a new checksum."""
+    """CRC-32C of (whatever gave `value`) || data; value 0 starts a new checksum. data may be
+    ScatteredBytes (its pieces in order)."""
+    if isinstance(data, ScatteredBytes):
+        for piece in data.pieces:
+            value = crc32c_extend(value, piece)
+        return value
     if _hw is not None:
         return _hw.crc32c(data, value)
     if isinstance(data, memoryview):  # google_crc32c takes bytes and arrays, not memoryviews

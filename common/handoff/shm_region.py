@@ -20,6 +20,7 @@ import secrets
 import stat
 from pathlib import Path
 
+IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 NAME = re.compile(r"kvh-[0-9a-f]{32}")
 MODE = 0o600
 
@@ -98,13 +99,23 @@ class RegionReader:
 
     def read_into(self, offset: int, out) -> None:
         """Fills the writable buffer out (len(out) bytes) from [offset, offset + len(out))."""
-        view = memoryview(out).cast("B")
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
+        self.scatter_into(offset, [out])
+
+    def scatter_into(self, offset: int, pieces: list) -> None:
+        """Fills the writable buffers pieces, in order, from the bytes at [offset, offset + their
+        total length): one preadv per call where the file is long enough."""
+        views = [memoryview(p).cast("B") for p in pieces]
+        end = offset + sum(len(v) for v in views)
+        while views:
+            n = os.preadv(self._fd, views[:IOV_MAX], offset)
             if n <= 0:
-                raise RegionError(f"region {self.name} ends before byte {offset + len(view)}")
-            done += n
+                raise RegionError(f"region {self.name} ends before byte {end}")
+            offset += n
+            while views and n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            if n:
+                views[0] = views[0][n:]
 
     def close(self) -> None:
         if getattr(self, "_fd", -1) >= 0:

@@ -31,8 +31,10 @@ class PoolConfig:
 class KvPool:
     """Pages of K and V for every layer: k, v: [num_layers, num_pages, page_size, Hkv, D].
 
-    Owned by one engine thread: tensors are touched only there; the allocator may be queried
-    from anywhere."""
+    Owned by one engine thread: tensors are touched only there, with one exception: an
+    out-of-band plane lands a handoff's bytes in the pages of that handoff's own reservation
+    from the event loop (decode_svc.page_landing), before any engine command reads them and
+    before the reservation can be released. The allocator may be queried from anywhere."""
 
     def __init__(self, config: PoolConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
 import grpc
 import torch
@@ -273,58 +272,33 @@ def test_each_chunk_is_read_when_its_reference_arrives(harness, shm):
     sender.release(False)
 
 
-class LandingPaced(FakeClient):
-    """Yields each frame only once every chunk before it has landed in decode's pages (the
-    engine thread lands them), so the peer's rewrite around one landing never overlaps the
-    read of the next chunk."""
-
-    def __init__(self, frames: list[bytes], landed: list) -> None:
-        super().__init__(frames)
-        self.landed = landed
-
-    def prefill(self, request, timeout):
-        call = super().prefill(request, timeout)
-        inner = call._frames
-
-        async def frames():
-            chunks = 0
-            async for frame in inner():
-                deadline = time.monotonic() + 30
-                while len(self.landed) < chunks:
-                    assert time.monotonic() < deadline, "a chunk never landed"
-                    await asyncio.sleep(0.002)
-                yield frame
-                chunks += frame.WhichOneof("frame") == "chunk"
-        call._frames = frames
-        return call
-
-
-def test_decode_lands_its_own_copy_not_the_shared_source(harness, shm, monkeypatch):
-    """The peer zeroes the region while the engine copies each chunk into decode's pages (after
-    the checksum check), then restores it: what lands is still prefill's KV, because both the
-    check and the landing read decode's copy."""
-    import decode_svc.engine as engine_module
+def test_decode_checks_and_keeps_its_own_copy_not_the_shared_source(harness, shm, monkeypatch):
+    """Each chunk is read straight into decode's pages; the peer then zeroes the region (before
+    the checksum check and for the rest of that chunk's processing) and restores it only for the
+    next chunk's read: the handoff still verifies and what lands is prefill's KV, because the
+    checks and the pages read decode's copy, never the region."""
+    from common.handoff.shm_region import RegionReader
 
     nonce = new_nonce()
     frames, sender, kv = _handoff(harness, shm, "copy", nonce)
     path = shm / sender.region_name
     source = path.read_bytes()
-    original = engine_module.unpack_kv_bytes_cpu
-    landings = []
+    original = RegionReader.scatter_into
+    reads = []
 
-    def rewritten_then_copied(*args):
-        path.write_bytes(bytes(len(source)))  # zeros while decode copies into its pages
+    def read_then_zeroed(self, offset, pieces):
+        path.write_bytes(source)  # the bytes prefill wrote, for this read only
         try:
-            return original(*args)
+            return original(self, offset, pieces)
         finally:
-            path.write_bytes(source)  # back, so the next chunk's check passes
-            landings.append(args[5])  # token_start: the hook really ran for every chunk
+            path.write_bytes(bytes(len(source)))  # zeros from here to the next read
+            reads.append(offset)
 
-    monkeypatch.setattr(engine_module, "unpack_kv_bytes_cpu", rewritten_then_copied)
-    landed, record = _run(harness, LandingPaced(frames, landings), shm, "copy", nonce)
+    monkeypatch.setattr(RegionReader, "scatter_into", read_then_zeroed)
+    landed, record = _run(harness, FakeClient(frames), shm, "copy", nonce)
     assert record.state == TransferState.SUCCESS, landed
-    got_kv = _landed_kv(harness, "copy")  # after every write (the engine runs them in order)
-    assert len(landings) == len(frames) - 2  # every chunk (all frames but header and commit)
+    assert len(reads) == 2 * (len(frames) - 2)  # K and V of every chunk went through the hook
+    got_kv = _landed_kv(harness, "copy")
     for got, want in zip(got_kv, kv, strict=True):
         assert torch.equal(got, want)
     harness.engine.release("copy")

@@ -1,0 +1,128 @@
+"""What the out-of-band senders (shared memory, NIXL) share: one destination buffer per handoff,
+filled chunk after chunk at a cursor, each chunk's frame a reference into it with the 1.1
+checksums of the bytes there.
+
+Where the destination is memory prefill can write in place (NIXL's registered buffer), `pack`
+writes a chunk's K then V straight from the pool's pages into it (CPU caches: one copy, no
+staging buffer); `chunk` checksums those bytes where they lie and returns the reference frame.
+A `kv` that `pack` did not place (a GPU pool's host copy, a test's tensor) is copied in first.
+A destination written by system call (a shared-memory region: `pwrite` into tmpfs measured 2x
+faster than stores through a mapping, 19 vs 41 ms for 64 MiB) gets `_write` of the packed bytes.
+
+Invariants (besides KvSender's): the destination is opened on the first chunk and closed only
+by `release`; pack, chunk and release hold one lock, so release (event loop) never closes the
+destination while the engine thread writes it; nothing is written or returned after release.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+
+import numpy as np
+import torch
+
+from common.handoff.binding import chunk_checksum, chunk_metadata
+from common.handoff.codec import frame_wire, kv_buffers
+from common.handoff.crc import payload_crc32c
+from common.handoff.layout import KvLayout
+from common.kernels.pack_kv import pack_kv_cpu
+from common.pb.kvhandoff.v1 import handoff_pb2
+from prefill_svc.kv_sender import KvSender
+
+
+class OutOfBandSender(KvSender):
+    pins_bytes = True
+
+    def __init__(self, request_id: str, layout: KvLayout, num_tokens: int) -> None:
+        super().__init__(request_id)
+        self.size = num_tokens * layout.kv_bytes_per_token
+        self._dest: np.ndarray | None = None  # [>= size] uint8, the destination's bytes
+        self._opened = False
+        self._cursor = 0
+        self._lock = threading.Lock()  # pack and chunk (engine thread) vs release (event loop)
+        self._released = False
+
+    @abc.abstractmethod
+    def _open(self) -> np.ndarray | None:
+        """Opens the destination (first chunk) -> its writable uint8 bytes (>= self.size) to pack
+        into in place, or None: the packed bytes go through `_write`."""
+
+    def _write(self, offset: int, data: np.ndarray) -> None:
+        """Stores data (uint8) at offset of a destination `_open` did not expose."""
+        raise NotImplementedError
+
+    @abc.abstractmethod
+    def _reference(self, k_offset: int, v_offset: int, length: int, first: bool
+                   ) -> handoff_pb2.KvRegionRef:
+        """The reference to [k_offset, +length) and [v_offset, +length) of the destination;
+        first: the first chunk of the handoff (it may carry what a peer needs to reach it)."""
+
+    @abc.abstractmethod
+    def _close(self) -> None:
+        """Gives the destination up (release); called once, under the lock, if it was opened.
+        (A sender is never reopened: chunk and pack do nothing once released.)"""
+
+    def pack(self, ops, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+             token_start: int, num_tokens: int) -> torch.Tensor:
+        """CPU caches: tokens [token_start, +num_tokens) of one layer written at the cursor of
+        the destination -> the [2, n, Hkv, D] view of them there; elsewhere KvSender's pack."""
+        if k_cache.device.type != "cpu":
+            return super().pack(ops, k_cache, v_cache, page_table, token_start, num_tokens)
+        shape = (2, num_tokens, *k_cache.shape[2:])
+        nbytes = 2 * num_tokens * k_cache[0, 0].numel() * k_cache.element_size()
+        with self._lock:
+            if self._released:  # chunk() answers None for it
+                return super().pack(ops, k_cache, v_cache, page_table, token_start, num_tokens)
+            dest = self._destination()
+            if dest is None:
+                return super().pack(ops, k_cache, v_cache, page_table, token_start, num_tokens)
+            if self._cursor + nbytes > len(dest):
+                raise ValueError(f"chunk of {nbytes} bytes past the end of the destination")
+            window = torch.from_numpy(dest[self._cursor:self._cursor + nbytes])
+            out = window.view(k_cache.dtype).view(shape)  # [2, n, Hkv, D] in the destination
+            return pack_kv_cpu(k_cache, v_cache, page_table, token_start, out)
+
+    def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
+              kv: torch.Tensor, nonce: bytes) -> bytes | None:
+        with self._lock:
+            if self._released or not self._sending():
+                return None
+            first = self._cursor == 0
+            dest = self._destination()
+            k_offset = self._cursor
+            length = kv[0].numel() * kv.element_size()
+            v_offset = k_offset + length
+            if dest is None:
+                k, v = kv_buffers(kv)
+                self._write(k_offset, k)
+                self._write(v_offset, v)
+            else:
+                if kv.data_ptr() != dest.ctypes.data + k_offset:  # not placed by pack: copy it
+                    k_in, v_in = kv_buffers(kv)
+                    dest[k_offset:v_offset] = k_in
+                    dest[v_offset:v_offset + length] = v_in
+                k, v = dest[k_offset:v_offset], dest[v_offset:v_offset + length]
+            crc = payload_crc32c(k, v)
+            self._cursor = v_offset + length
+            ref = self._reference(k_offset, v_offset, length, first)
+        token_end = token_start + kv.shape[1]
+        meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
+        return frame_wire(handoff_pb2.PrefillResponse(chunk=handoff_pb2.KvChunk(
+            request_id=request_id, sequence_number=sequence_number, layer=layer,
+            token_start=token_start, token_end=token_end, crc32c=crc, nonce=nonce,
+            chunk_crc32c=chunk_checksum(crc, meta), ref=ref)))
+
+    def _destination(self) -> np.ndarray | None:
+        if not self._opened:
+            self._dest = self._open()
+            self._opened = True
+        return self._dest
+
+    def release(self, committed: bool) -> None:
+        with self._lock:
+            self._released = True
+            if self._opened:
+                self._dest, self._opened = None, False
+                self._close()
+        super().release(committed)
