@@ -33,7 +33,7 @@ from decode_svc.content_check import (ContentCheckConfig, FiniteTracker, check_c
                                       refusal_if_not_finite)
 from decode_svc.engine_commands import (AfterWrites, Begin, Landed, Release, Reserve, Stop,
                                         Verify, Write, WriteBytes)
-from decode_svc.finite_bits import all_finite_bytes
+from decode_svc.finite_bits import all_finite_bytes, all_finite_pieces
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
 
 
@@ -94,9 +94,10 @@ class DecodeEngine:
         peer can still change); ignored if the request no longer holds pages."""
         self.submit(WriteBytes(request_id, layer, token_start, num_tokens, k, v))
 
-    def landed(self, request_id: str, all_finite: bool) -> None:
-        """A verified chunk already in the request's pages (decode_svc.page_landing)."""
-        self.submit(Landed(request_id, all_finite))
+    def landed(self, request_id: str, pieces: tuple) -> None:
+        """A verified chunk already in the request's pages (decode_svc.page_landing); pieces:
+        its uint8 views there."""
+        self.submit(Landed(request_id, pieces))
 
     def after_writes(self, then) -> None:
         """then() on the engine thread after every command queued so far."""
@@ -216,7 +217,8 @@ class DecodeEngine:
 
     def _on_landed(self, command: Landed) -> None:
         if self.pool.allocator.holds(command.request_id):
-            self._finite.observe_result(command.request_id, command.all_finite)
+            self._finite.observe_result(command.request_id,
+                                        all_finite_pieces(command.pieces, self.pool.k.dtype))
 
     def _on_after_writes(self, command: AfterWrites) -> None:
         try:

@@ -58,10 +58,11 @@ class WriteBytes:
 @dataclass(frozen=True)
 class Landed:
     """A verified chunk an out-of-band plane read straight into the request's pages
-    (decode_svc.page_landing); all_finite: its values, checked on those pages."""
+    (decode_svc.page_landing); pieces: its K and V views there, for the finiteness check (on
+    the engine thread, beside the event loop's read of the next chunk)."""
 
     request_id: str
-    all_finite: bool
+    pieces: tuple
 
 
 @dataclass(frozen=True)

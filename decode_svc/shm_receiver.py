@@ -28,7 +28,6 @@ from common.handoff.verifier import Expectation, VerifiedChunk
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.chunk_reference import reference_to_fetch
 from decode_svc.engine import DecodeEngine
-from decode_svc.finite_bits import all_finite_pieces
 from decode_svc.handoff import receive_handoff, write_chunk
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 from decode_svc.page_landing import PageLanding
@@ -61,8 +60,9 @@ class _Landing:
         reader = self._reader(ref.region)
         try:
             if self.pages.in_place:
-                k, v = self.pages.pieces(expect.request_id, chunk.layer, chunk.token_start,
-                                         chunk.token_end)
+                pieces = self.pages.pieces(expect.request_id, chunk.layer, chunk.token_start,
+                                           chunk.token_end)
+                k, v = pieces.k, pieces.v
                 reader.scatter_into(ref.k_offset, k.pieces)
                 reader.scatter_into(ref.v_offset, v.pieces)
             else:
@@ -84,9 +84,7 @@ class _Landing:
         """A verified chunk: already in the pages (tell the engine, with its finiteness), or in
         decode's own buffer (the engine's write path)."""
         if isinstance(chunk.k, ScatteredBytes):
-            dtype = self.expect.layout.dtype
-            self.engine.landed(self.expect.request_id,
-                               all_finite_pieces(chunk.k.pieces + chunk.v.pieces, dtype))
+            self.engine.landed(self.expect.request_id, chunk.k.pieces + chunk.v.pieces)
         else:
             write_chunk(self.engine, self.expect.request_id, chunk)
 

@@ -9,6 +9,7 @@ import asyncio
 import os
 
 import grpc
+import pytest
 import torch
 
 from common.counters import Counters
@@ -342,3 +343,38 @@ def test_only_the_right_nonce_releases(harness, shm):
 
     asyncio.run(scenario())
     assert list(shm.iterdir()) == [] and counters.snapshot() == {"handoff_releases": 1}
+
+
+def test_a_nan_that_lands_in_the_pages_is_refused_at_verify_and_frees_them(harness, shm):
+    """The region holds a NaN that prefill checksummed (so every frame passes): the landing reads
+    it straight into the pages, the engine's finiteness check on those pages finds it, and the
+    request is refused KV_NOT_FINITE with its pages back."""
+    baseline = harness.pages_free()
+    nonce = new_nonce()
+    first, kv, _ = harness.prefill(PROMPT)
+    kv[-1][1, -1, -1, -1] = float("nan")  # the last layer's V, last token
+    layout = _layout(harness)
+    sender = SharedMemorySender("nan", layout, len(PROMPT), str(shm))
+    frames = [frame_wire(header_frame("nan", len(PROMPT), handoff_pb2.HANDOFF_STATUS_OK, layout,
+                                      FINGERPRINT, nonce=nonce, digest=prompt_digest(PROMPT)))]
+    seq = 0
+    for layer, layer_kv in enumerate(kv):
+        for start in range(0, len(PROMPT), CHUNK_TOKENS):
+            frames.append(sender.chunk("nan", seq, layer, start,
+                                       layer_kv[:, start:start + CHUNK_TOKENS].contiguous(), nonce))
+            seq += 1
+    frames.append(frame_wire(commit_frame("nan", len(PROMPT), seq, first, nonce=nonce)))
+    landed, record = _run(harness, FakeClient(frames), shm, "nan", nonce)
+    assert record.state == TransferState.SUCCESS, landed  # the form is good: it all landed
+
+    async def verify():
+        return await engine_answer(lambda done: harness.engine.verify(
+            "nan", PROMPT, SamplingConfig(), done))
+
+    with pytest.raises(HandoffRefused) as refused:
+        asyncio.run(verify())
+    assert refused.value.reason == "KV_NOT_FINITE"
+    harness.engine.release("nan")
+    harness.drain()
+    sender.release(False)
+    assert harness.pages_free() == baseline

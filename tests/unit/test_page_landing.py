@@ -41,7 +41,8 @@ def test_views_are_the_slots_the_write_path_fills(shuffle, start, end):
     reference = pool.k.clone(), pool.v.clone()
     unpack_kv_bytes_cpu(data[0], data[1], reference[0][1], reference[1][1], table, start,
                         end - start)
-    k, v = landing.pieces("r", 1, start, end)
+    pieces = landing.pieces("r", 1, start, end)
+    k, v = pieces.k, pieces.v
     assert len(k) == len(v) == data.shape[1]
     for pieces, payload in ((k, data[0]), (v, data[1])):
         at = 0
