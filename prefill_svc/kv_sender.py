@@ -19,12 +19,11 @@ Invariants every sender keeps:
 from __future__ import annotations
 
 import abc
-import math
 
 import torch
 
 from common.handoff.codec import chunk_wire
-from common.kernels.pack_kv import pack_kv_cpu
+from common.handoff.page_pieces import cache_bytes, kv_pieces
 from common.handoff.transfer import TransferRecord, TransferState
 
 
@@ -34,26 +33,25 @@ class KvSender(abc.ABC):
 
     def __init__(self, request_id: str = "") -> None:
         self.record = TransferRecord(request_id, self.plane)
-        self._buffer: torch.Tensor | None = None  # pack's output, reused chunk after chunk
 
     def pack(self, ops, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
-             token_start: int, num_tokens: int) -> torch.Tensor:
+             token_start: int, num_tokens: int):
         """Tokens [token_start, token_start + num_tokens) of one layer's caches [P, S, Hkv, D]
-        -> [2, n, Hkv, D] on the CPU, for `chunk` (engine thread). Caches in CPU memory: one
-        copy, into a buffer this sender reuses (valid until the next pack: `chunk` copies or
-        writes the bytes out before it returns); elsewhere ops.pack_kv, then to the host."""
+        -> what `chunk` takes (engine thread). Caches in CPU memory: KvPieces, views of the
+        pages themselves (nothing copied: `chunk` moves the bytes straight from the pages, and
+        returns before the engine can free or rewrite them); elsewhere ops.pack_kv, then to the
+        host ([2, n, Hkv, D] on the CPU)."""
         if k_cache.device.type != "cpu":
             return ops.pack_kv(k_cache, v_cache, page_table, token_start, num_tokens).cpu()
-        shape = (2, num_tokens, *k_cache.shape[2:])
-        if self._buffer is None or self._buffer.numel() < math.prod(shape):
-            self._buffer = torch.empty(shape, dtype=k_cache.dtype)
-        out = self._buffer.view(-1)[:math.prod(shape)].view(shape)
-        return pack_kv_cpu(k_cache, v_cache, page_table, token_start, out)
+        row = k_cache[0, 0].numel() * k_cache.element_size()
+        return kv_pieces(cache_bytes(k_cache), cache_bytes(v_cache), row, page_table.tolist(),
+                         k_cache.shape[1], token_start, token_start + num_tokens)
 
     @abc.abstractmethod
     def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
-              kv: torch.Tensor, nonce: bytes) -> bytes | None:
-        """kv: [2, n, Hkv, D] on the CPU -> the chunk frame to emit (engine thread); None once
+              kv, nonce: bytes) -> bytes | None:
+        """kv: what `pack` returned, or a [2, n, Hkv, D] CPU tensor -> the chunk frame to emit
+        (engine thread); None once
         the handoff was released (its stream is gone: the engine drops the job, and never fails
         the other jobs of its batch because of it)."""
 
@@ -77,7 +75,7 @@ class InlineSender(KvSender):
     plane = "inline"
 
     def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
-              kv: torch.Tensor, nonce: bytes) -> bytes | None:
+              kv, nonce: bytes) -> bytes | None:
         if not self._sending():
             return None
         return chunk_wire(request_id, sequence_number, layer, token_start, kv, nonce)

@@ -22,6 +22,8 @@ import torch
 from common.handoff.crc import payload_crc32c
 from common.handoff.binding import chunk_checksum, chunk_metadata, commit_checksum
 from common.handoff.layout import KvLayout, protocol_version
+from common.handoff.page_pieces import KvPieces
+from common.handoff.scattered import ScatteredBytes
 from common.pb.kvhandoff.v1 import handoff_pb2
 
 _CHUNK_FIELD_TAG = 0x12  # PrefillResponse.chunk: field 2, length-delimited
@@ -95,7 +97,8 @@ def encode_chunk(request_id: str, sequence_number: int, layer: int, token_start:
                  token_end: int, k, v, crc32c: int, nonce: bytes = b"",
                  chunk_crc32c: int = 0) -> bytes:
     """The serialized `PrefillResponse(chunk=KvChunk(...))`. k and v are C-contiguous byte
-    buffers (bytes, uint8 numpy arrays); each is copied once, into the returned frame."""
+    buffers (bytes, uint8 numpy arrays) or ScatteredBytes (views of the pages); each is copied
+    once, into the returned frame (one join, which drops the GIL for large frames)."""
     k_len, v_len = len(k), len(v)
     prefix = b"".join((
         _bytes_field(0x0a, request_id.encode()),
@@ -105,7 +108,11 @@ def encode_chunk(request_id: str, sequence_number: int, layer: int, token_start:
     suffix = _scalar(0x40, crc32c) + _bytes_field(0x4a, nonce) + _scalar(0x50, chunk_crc32c)
     body = len(prefix) + k_len + len(middle) + v_len + len(suffix)
     head = bytes((_CHUNK_FIELD_TAG,)) + _varint(body) + prefix
-    return b"".join((head, k, middle, v, suffix))
+    return b"".join((head, *_parts(k), middle, *_parts(v), suffix))
+
+
+def _parts(data) -> tuple:
+    return data.pieces if isinstance(data, ScatteredBytes) else (data,)
 
 
 def kv_buffers(kv: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -114,12 +121,21 @@ def kv_buffers(kv: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     return flat[0], flat[1]
 
 
-def chunk_wire(request_id: str, sequence_number: int, layer: int, token_start: int,
-               kv: torch.Tensor, nonce: bytes = b"") -> bytes:
-    """The serialized chunk frame of kv [2, n, Hkv, D] (CPU), both checksums included; the
-    payload is read once for both."""
+def chunk_payload(kv) -> tuple[object, object, int]:
+    """What `KvSender.pack` returned (KvPieces in the pages, or a [2, n, Hkv, D] CPU tensor)
+    -> (K bytes, V bytes, number of tokens), nothing copied for pieces or a contiguous tensor."""
+    if isinstance(kv, KvPieces):
+        return kv.k, kv.v, kv.num_tokens
     k, v = kv_buffers(kv)
-    token_end = token_start + kv.shape[1]
+    return k, v, kv.shape[1]
+
+
+def chunk_wire(request_id: str, sequence_number: int, layer: int, token_start: int,
+               kv, nonce: bytes = b"") -> bytes:
+    """The serialized chunk frame of kv (chunk_payload's input), both checksums included; the
+    payload is read once for the checksum and copied once, into the frame."""
+    k, v, num_tokens = chunk_payload(kv)
+    token_end = token_start + num_tokens
     crc = payload_crc32c(k, v)
     meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
     return encode_chunk(request_id, sequence_number, layer, token_start, token_end, k, v, crc,

@@ -71,3 +71,14 @@ def copy_pieces(source: np.ndarray, pieces: ScatteredBytes) -> None:
     for piece in pieces.pieces:
         np.copyto(piece, source[at:at + piece.size])
         at += piece.size
+
+
+def gather_into(dest: np.ndarray, data) -> None:
+    """Fills dest (uint8, len(data) bytes) from data: a uint8 array or ScatteredBytes."""
+    if not isinstance(data, ScatteredBytes):
+        dest[:] = data
+        return
+    at = 0
+    for piece in data.pieces:
+        dest[at:at + piece.size] = piece
+        at += piece.size

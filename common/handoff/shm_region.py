@@ -20,6 +20,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from common.handoff.scattered import ScatteredBytes
+
 IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 NAME = re.compile(r"kvh-[0-9a-f]{32}")
 MODE = 0o600
@@ -50,13 +52,17 @@ class RegionWriter:
         self.size = size
 
     def write(self, offset: int, data) -> None:
-        """data: a C-contiguous buffer (bytes, uint8 numpy array)."""
-        view = memoryview(data).cast("B")
-        if offset < 0 or offset + len(view) > self.size:
-            raise ValueError(f"write [{offset}, {offset + len(view)}) outside {self.size} bytes")
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self._fd, view[done:], offset + done)
+        """data: a C-contiguous buffer (bytes, uint8 numpy array), or ScatteredBytes (its pieces
+        in order, one pwritev per IOV_MAX of them)."""
+        pieces = data.pieces if isinstance(data, ScatteredBytes) else (data,)
+        views = [memoryview(p).cast("B") for p in pieces]
+        end = offset + sum(len(v) for v in views)
+        if offset < 0 or end > self.size:
+            raise ValueError(f"write [{offset}, {end}) outside {self.size} bytes")
+        while views:
+            n = os.pwritev(self._fd, views[:IOV_MAX], offset)
+            offset += n
+            _advance(views, n)
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -111,13 +117,18 @@ class RegionReader:
             if n <= 0:
                 raise RegionError(f"region {self.name} ends before byte {end}")
             offset += n
-            while views and n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            if n:
-                views[0] = views[0][n:]
+            _advance(views, n)
 
     def close(self) -> None:
         if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drops the first n bytes of views (a partial read or write), in place."""
+    while views and n >= len(views[0]):
+        n -= len(views[0])
+        views.pop(0)
+    if n:
+        views[0] = views[0][n:]
