@@ -1,13 +1,15 @@
 """Where a handoff's time goes, step by step, per chunk of a Llama-3-8B-shaped layer (K plus V,
 bf16), in one process on one torch thread: each step as the services did it before issue 12's
-speed work ("before") and as they do it now ("now"), side by side in one run.
+speed work ("before"), after stop 11's ("stop 11") and as they do it now ("now": chunks move
+straight between the pages and the transport), side by side in one run.
 
     PYTHONPATH=. python bench/transfer_breakdown.py [--chunks 32] [--chunk-mib 1,4]
 
 Prefill: pack out of the pages, crc32c, the inline frame, the write into a shared-memory region.
 Decode: crc32c over its copy, the finiteness check, the copy into the pages (before: a write
 tensor by bytes_to_kv, then unpack_kv; now: one row copy from the received bytes), and the
-pread out of a region. Steps the new path does not have show as "-".
+pread out of a region; now also the preadv of a region straight into the pages. Steps a path
+does not have show as "-".
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from common.handoff.codec import (bytes_to_kv, chunk_wire, encode_chunk, kv_buff
                                   parse_chunk_fast)
 from common.handoff.crc import payload_crc32c
 from common.handoff.layout import KvLayout
+from common.handoff.page_pieces import cache_bytes, kv_pieces
 from common.handoff.shm_region import RegionReader, RegionWriter
 from common.kernels.pack_kv import (pack_kv_cpu, pack_kv_reference, unpack_kv_bytes_cpu,
                                     unpack_kv_reference)
@@ -74,22 +77,41 @@ def steps(layout: KvLayout, pool: KvPool, tokens: int, reps: int, shm_dir: str) 
          lambda i: unpack_kv_bytes_cpu(wire_k, wire_v, pool.k[i % layers], pool.v[i % layers],
                                        np_table, 0, tokens)),
     ]
-    result = [(name, before and _per_chunk(reps, before), now and _per_chunk(reps, now))
+    pieces = kv_pieces(cache_bytes(pool.k[0]), cache_bytes(pool.v[0]),
+                       layout.kv_bytes_per_token_per_layer, np_table, PAGE, 0, tokens)
+    direct = {  # this stop's version of a row, where it changed
+        "prefill pack out of the pages": lambda i: kv_pieces(
+            cache_bytes(pool.k[i % layers]), cache_bytes(pool.v[i % layers]),
+            layout.kv_bytes_per_token_per_layer, np_table, PAGE, 0, tokens),
+        "prefill inline frame (copy + crc)": lambda i: chunk_wire("r", i, 0, 0, pieces,
+                                                                  b"n" * 16),
+    }
+    result = [(name, before and _per_chunk(reps, before), now and _per_chunk(reps, now),
+               _per_chunk(reps, direct[name]) if name in direct else now and _per_chunk(reps, now))
               for name, before, now in rows]
     size = 2 * len(k)
     writer = RegionWriter(shm_dir, reps * size + size)
     try:
         pwrite = _per_chunk(reps, lambda i: (writer.write(i * size, k),
                                              writer.write(i * size + len(k), v)))
+        pwritev = _per_chunk(reps, lambda i: (writer.write(i * size, pieces.k),
+                                              writer.write(i * size + len(k), pieces.v)))
         reader = RegionReader(shm_dir, writer.name)
         own = np.empty((2, len(k)), np.uint8)  # decode's own buffer
         pread = _per_chunk(reps, lambda i: (reader.read_into(i * size, own[0]),
                                             reader.read_into(i * size + len(k), own[1])))
+        landing = [kv_pieces(cache_bytes(pool.k[layer]), cache_bytes(pool.v[layer]),
+                             layout.kv_bytes_per_token_per_layer, np_table, PAGE, 0, tokens)
+                   for layer in range(layers)]
+        scatter = _per_chunk(reps, lambda i: (
+            reader.scatter_into(i * size, landing[i % layers].k.pieces),
+            reader.scatter_into(i * size + len(k), landing[i % layers].v.pieces)))
         reader.close()
     finally:
         writer.close()
-    return result + [("prefill pwrite K+V into the region", pwrite, pwrite),
-                     ("decode preadv K+V into its buffer", pread, pread)]
+    return result + [("prefill pwrite K+V into the region", pwrite, pwrite, pwritev),
+                     ("decode preadv K+V into its buffer", pread, pread, None),
+                     ("decode preadv K+V into its pages", None, None, scatter)]
 
 
 def main() -> None:
@@ -111,16 +133,17 @@ def main() -> None:
         tokens = mib * (1 << 20) // layout.kv_bytes_per_token_per_layer
         size = tokens * layout.kv_bytes_per_token_per_layer
         print(f"chunk {mib} MiB ({tokens} tokens of one layer), ms per chunk (GB/s)")
-        totals = [0.0, 0.0]
-        for name, before, now in steps(layout, pool, tokens, args.chunks, args.shm_dir):
+        totals = [0.0, 0.0, 0.0]
+        print(f"  {'step':38s} {'before':>15}  {'stop 11':>15}  {'now':>15}")
+        for name, *columns in steps(layout, pool, tokens, args.chunks, args.shm_dir):
             cells = []
-            for j, sec in enumerate((before, now)):
+            for j, sec in enumerate(columns):
                 cells.append(f"{sec * 1e3:7.3f} ({size / sec / 1e9:5.2f})" if sec else
                              f"{'-':>15}")
                 totals[j] += sec or 0.0
-            print(f"  {name:38s} {cells[0]}  {cells[1]}")
+            print(f"  {name:38s} {cells[0]}  {cells[1]}  {cells[2]}")
         print(f"  {'sum (each step once, not a pipeline)':38s} {totals[0] * 1e3:7.3f}"
-              f"{'':8s}  {totals[1] * 1e3:7.3f}")
+              f"{'':8s}  {totals[1] * 1e3:7.3f}{'':8s}  {totals[2] * 1e3:7.3f}")
 
 
 if __name__ == "__main__":

@@ -394,14 +394,29 @@ def prefill_accepts_missing_version() -> None:
 
 def prefill_layer0_everywhere() -> None:
     """P-17 broken: every layer's chunks carry layer 0's K and V (well formed, crc right)."""
+    import numpy as np
+
+    from common.handoff.codec import chunk_payload
+    from common.handoff.page_pieces import KvPieces, gather_into
+    from common.handoff.scattered import ScatteredBytes
     from prefill_svc import kv_sender
 
     layer0: dict[tuple[str, int], object] = {}
 
+    def copied(kv) -> KvPieces:
+        """A copy of what pack returned (views of pages the next pass rewrites)."""
+        k, v, num_tokens = chunk_payload(kv)
+        halves = []
+        for data in (k, v):
+            own = np.empty(len(data), np.uint8)
+            gather_into(own, data)
+            halves.append(ScatteredBytes((own,), own.size))
+        return KvPieces(*halves, num_tokens)
+
     def make(original):
         def chunk_wire(request_id, sequence_number, layer, token_start, kv, nonce=b""):
-            if layer == 0:  # a copy: the sender reuses its pack buffer for the next chunk
-                layer0[(request_id, token_start)] = kv.clone()
+            if layer == 0:
+                layer0[(request_id, token_start)] = copied(kv)
             else:
                 kv = layer0.get((request_id, token_start), kv)
             return original(request_id, sequence_number, layer, token_start, kv, nonce)
