@@ -18,6 +18,7 @@ bench/transfer_bare.py: the bare clients). Rows, interleaved in every repeat:
 `ratio` is the row's median GB/s over its baseline's median in the same run; `ratio_vs_tcp`
 too. Another plane adds its rows through `extra_transports` (a module bench/transfer_<plane>.py
 with `transports(context) -> list[Transport]`). GB/s is 1e9 bytes of KV payload per second.
+Each row also has the CPU seconds per GB each process spent (bench/cpu_clock.py), medians.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from bench.cpu_clock import CpuMeter
 from bench.synthetic_prefill import PAGE_SIZE, SyntheticSpec, serve_in_process
 from bench.transfer_bare import BareGrpc, shm_receive, socket_receive
 from bench.transfer_services import DecodeSide
@@ -67,11 +69,25 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * UNITS[unit])
 
 
-def _stats(nbytes: int, seconds: list[float]) -> dict:
-    """GB/s of the slowest, median and fastest run."""
-    return {"gbps_min": nbytes / max(seconds) / 1e9, "gbps_median":
-            nbytes / statistics.median(seconds) / 1e9, "gbps_max": nbytes / min(seconds) / 1e9,
-            "seconds": seconds}
+def _stats(nbytes: int, seconds: list[float], cpu: list[tuple[float, float]] | None = None
+           ) -> dict:
+    """GB/s of the slowest, median and fastest run; with cpu ((decode, prefill) CPU seconds of
+    each run), the median CPU seconds per GB of each process."""
+    row = {"gbps_min": nbytes / max(seconds) / 1e9, "gbps_median":
+           nbytes / statistics.median(seconds) / 1e9, "gbps_max": nbytes / min(seconds) / 1e9,
+           "seconds": seconds}
+    if cpu:
+        row["cpu_s_per_gb_decode"] = statistics.median(d for d, _ in cpu) / (nbytes / 1e9)
+        row["cpu_s_per_gb_prefill"] = statistics.median(p for _, p in cpu) / (nbytes / 1e9)
+    return row
+
+
+async def timed(meter: CpuMeter, run, nbytes: int) -> tuple[float, int, tuple[float, float]]:
+    """run(nbytes) -> (seconds, bytes, (decode, prefill) CPU seconds it used)."""
+    before = meter.cpu()
+    seconds, got = await run(nbytes)
+    after = meter.cpu()
+    return seconds, got, (after[0] - before[0], after[1] - before[1])
 
 
 def default_repeats(size: int) -> int:
@@ -81,6 +97,7 @@ def default_repeats(size: int) -> int:
 async def measure(layout: KvLayout, sizes: list[int], repeats: int, ports: dict,
                   max_chunk_bytes: int, progress) -> list[dict]:
     per_token = layout.kv_bytes_per_token
+    meter = CpuMeter(ports["pid"])
     side = DecodeSide(layout, max(-(-s // per_token) for s in sizes),
                       f"127.0.0.1:{ports['grpc']}", max_chunk_bytes)
     side.start()
@@ -97,15 +114,17 @@ async def measure(layout: KvLayout, sizes: list[int], repeats: int, ports: dict,
             transports = _builtin(side, sock, shm_sock, bare_grpc, tokens, buffer)
             reps = repeats or default_repeats(nbytes)
             times: dict[str, list[float]] = {t.name: [] for t in transports}
+            cpu: dict[str, list[tuple[float, float]]] = {t.name: [] for t in transports}
             for rep in range(reps + 1):  # the first round is a warm-up
                 for t in transports:
-                    seconds, got = await t.run(nbytes)
+                    seconds, got, used = await timed(meter, t.run, nbytes)
                     if got != nbytes:
                         raise RuntimeError(f"{t.name} moved {got} bytes, expected {nbytes}")
                     if rep:
                         times[t.name].append(seconds)
+                        cpu[t.name].append(used)
                 progress(f"{_human(nbytes)}: {rep}/{reps}")
-            rows = {name: _stats(nbytes, t) for name, t in times.items()}
+            rows = {name: _stats(nbytes, t, cpu[name]) for name, t in times.items()}
             results.append({
                 "size_bytes": nbytes, "tokens": tokens, "repeats": reps,
                 "chunk_tokens": layout.chunk_tokens(max_chunk_bytes),
@@ -158,12 +177,14 @@ def print_table(layout: KvLayout, results: list[dict], max_chunk_bytes: int) -> 
           f"({layout.kv_bytes_per_token >> 10} KiB per token); chunks of at most "
           f"{layout.chunk_tokens(max_chunk_bytes)} tokens per layer")
     print(f"{'size':>10} {'transport':>19} {'GB/s min':>9} {'median':>7} {'max':>7} "
-          f"{'ratio':>6} {'vs':>19} {'vs tcp':>7}")
+          f"{'ratio':>6} {'vs':>19} {'vs tcp':>7} {'CPU s/GB decode':>16} {'prefill':>8}")
     for r in results:
         for t in r["transports"]:
+            cpu = (f"{t['cpu_s_per_gb_decode']:>16.2f} {t['cpu_s_per_gb_prefill']:>8.2f}"
+                   if "cpu_s_per_gb_decode" in t else "")
             print(f"{_human(r['size_bytes']):>10} {t['transport']:>19} {t['gbps_min']:>9.3f} "
                   f"{t['gbps_median']:>7.3f} {t['gbps_max']:>7.3f} {t['ratio']:>6.2f} "
-                  f"{t['baseline']:>19} {t['ratio_vs_tcp']:>7.2f}")
+                  f"{t['baseline']:>19} {t['ratio_vs_tcp']:>7.2f} {cpu}")
 
 
 def main(argv: list[str]) -> int:
@@ -204,7 +225,7 @@ def main(argv: list[str]) -> int:
         if not parent.poll(300):
             raise RuntimeError("the synthetic prefill did not start within 300 s")
         grpc_port, socket_port, shm_port = parent.recv()
-        ports = {"grpc": grpc_port, "tcp": socket_port, "shm": shm_port}
+        ports = {"grpc": grpc_port, "tcp": socket_port, "shm": shm_port, "pid": helper.pid}
 
         def progress(text: str) -> None:
             print(f"\r[transfer] {text}   ", end="", file=sys.stderr, flush=True)

@@ -22,6 +22,7 @@ import uuid
 import numpy as np
 
 from bench.bare_nixl import ANSWER, serve_in_process
+from bench.cpu_clock import CpuMeter
 from bench.synthetic_prefill import FINGERPRINT, PAGE_SIZE, SIZE_HEADER, VOCAB, SyntheticSpec
 from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.crc import crc32c_extend
@@ -92,8 +93,10 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, results, stats,
-                   default_repeats):
+                   default_repeats, prefill_pid):
     from bench.transfer_services import DecodeSide
+
+    meter = CpuMeter(prefill_pid)
 
     agent, why = open_agent("bench-decode")
     if agent is None:
@@ -112,16 +115,22 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
             nbytes, tokens = result["size_bytes"], result["tokens"]
             reps = repeats or default_repeats(nbytes)
             times: dict[str, list[float]] = {"nixl": [], "bare-nixl": []}
+            cpu: dict[str, list[tuple[float, float]]] = {"nixl": [], "bare-nixl": []}
             for rep in range(reps + 1):  # the first of each is a warm-up
+                before = meter.cpu()
                 seconds, got = await _handoff(side, receiver, layout, tokens)
                 if got != nbytes:
                     raise RuntimeError(f"nixl moved {got} bytes, expected {nbytes}")
+                between = meter.cpu()
                 bare = await bare_read(agent, sock, nbytes, own, peers)
+                after = meter.cpu()
                 if rep:
                     times["nixl"].append(seconds)
                     times["bare-nixl"].append(bare)
+                    cpu["nixl"].append((between[0] - before[0], between[1] - before[1]))
+                    cpu["bare-nixl"].append((after[0] - between[0], after[1] - between[1]))
                 progress(f"{nbytes >> 20} MiB over NIXL: {rep}/{reps}")
-            rows = {name: stats(nbytes, t) for name, t in times.items()}
+            rows = {name: stats(nbytes, t, cpu[name]) for name, t in times.items()}
             tcp = next((t["gbps_median"] for t in result["transports"]
                         if t["transport"] == "tcp"), float("nan"))
             bare_gbps = rows["bare-nixl"]["gbps_median"]
@@ -161,7 +170,8 @@ def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: lis
             print(f"[transfer] no NIXL rows: {answer}", file=sys.stderr)
             return
         why = run_async(lambda: _measure(layout, [r["size_bytes"] for r in results], repeats,
-                                         *answer, progress, results, _stats, default_repeats))
+                                         *answer, progress, results, _stats, default_repeats,
+                                         helper.pid))
         if why:
             print(f"[transfer] no NIXL rows: {why}", file=sys.stderr)
     finally:
