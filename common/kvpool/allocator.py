@@ -130,7 +130,10 @@ class PageAllocator:
                         f"page {page} of {owner!r} is owned by {self._owner[page]!r}")
             self._tables.pop(owner, None)
             self._written.pop(owner, None)
-            for page in table:
+            # last page first: allocate pops from the end, so the next request gets these pages
+            # back in ascending order, and adjacent pages stay adjacent in its page table (a
+            # handoff then moves a run of pages as one piece: common.handoff.page_pieces)
+            for page in reversed(table):
                 if page in self._refs:
                     self._refs[page] -= 1
                 else:
