@@ -22,7 +22,8 @@
 #
 # Traffic: host loopback <-> the containers' bridge only; the containers reach nothing else.
 # Environment: PYTHON (host Python with this package; default .venv/bin/python), COMPOSE
-# (compose command), KVHANDOFF_BASE_IMAGE (kvhandoff-base:bookworm), SMOKE_IMAGE
+# (compose command), SMOKE_PLANE (the data plane decode's handoffs must use: shared-memory;
+# with PREFILL_NIXL=true, nixl), KVHANDOFF_BASE_IMAGE (kvhandoff-base:bookworm), SMOKE_IMAGE
 # (kvhandoff:smoke), SMOKE_REPORT (write the summary JSON there), SMOKE_CLEAN, SMOKE_BUILD_ONLY=1
 # (stop after the build: the cheap part).
 set -euo pipefail
@@ -247,9 +248,10 @@ t=$(now)
 timings[stream]=$(since "$t")
 checks+=("a 64-token generation streamed from the host via 127.0.0.1:$api_port")
 # the KV of that generation crossed between the containers over their shared tmpfs volume
+plane=${SMOKE_PLANE:-shared-memory}
 "${compose[@]}" logs --no-color decode 2>/dev/null | grep '"handoff_verified"' \
-    | grep -q '"plane": "shared-memory"' || die "decode did not hand off over shared memory"
-checks+=("decode handed off over shared memory between the containers")
+    | grep -q "\"plane\": \"$plane\"" || die "decode did not hand off over $plane"
+checks+=("decode handed off over $plane between the containers")
 
 wait_healthy "$standalone" 180
 docker rm -f "$standalone" >/dev/null
