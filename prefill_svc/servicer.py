@@ -47,12 +47,12 @@ class PlaneOffer:
     def offers(self) -> list[handoff_pb2.DataPlaneOffer]:
         """Fastest first (common.handoff.planes.PREFERENCE); inline always."""
         out = []
-        if self.nixl is not None:
-            out.append(handoff_pb2.DataPlaneOffer(plane=TO_PROTO[NIXL],
-                                                  nixl_agent_metadata=self.nixl.metadata))
         if self.shm_host_id:
             out.append(handoff_pb2.DataPlaneOffer(plane=TO_PROTO[SHARED_MEMORY],
                                                   host_id=self.shm_host_id))
+        if self.nixl is not None:
+            out.append(handoff_pb2.DataPlaneOffer(plane=TO_PROTO[NIXL],
+                                                  nixl_agent_metadata=self.nixl.metadata))
         return out + [handoff_pb2.DataPlaneOffer(plane=handoff_pb2.DATA_PLANE_INLINE)]
 
     def served(self) -> frozenset[int]:

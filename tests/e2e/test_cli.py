@@ -39,8 +39,8 @@ def test_up_generate_and_stop():
         address = re.search(r"serving at (\S+)", line).group(1)
         assert "max prompt 4096 tokens" in line and "8192 tokens" in line
         usable = host_identity(DEFAULT_SHM_DIR)  # both sides offer shm on one host with /dev/shm
-        plane = ("nixl" if nixl_available()[0]  # planes.PREFERENCE: NIXL, then shm
-                 else "shared-memory" if usable else "inline")
+        plane = ("shared-memory" if usable  # planes.PREFERENCE: shm, then NIXL
+                 else "nixl" if nixl_available()[0] else "inline")
         assert f"data plane {plane}" in line
         ok = subprocess.run([*CLI, "generate", "--target", address, "--token-ids", "3,4,5",
                              "--max-tokens", "5", "--json", "--ignore-eos"],

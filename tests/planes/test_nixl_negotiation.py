@@ -26,9 +26,9 @@ def _decode(tmp_path, plane: str, tls: bool = False, allow: bool = False) -> Dec
     return DecodeConfig(service=svc, data_plane=plane)
 
 
-def test_auto_prefers_nixl_then_shared_memory(tmp_path):
+def test_auto_prefers_shared_memory_then_nixl(tmp_path):
     here = _info(host_identity(str(tmp_path)))
-    assert plane_for(_decode(tmp_path, "auto"), here, nixl=True) == (NIXL, "")
+    assert plane_for(_decode(tmp_path, "auto"), here, nixl=True) == (SHARED_MEMORY, "")
     # another host (shared memory unusable), both with an agent: NIXL
     assert plane_for(_decode(tmp_path, "auto"), _info("other-host:1:2"), nixl=True) == (
         NIXL, "")
@@ -67,9 +67,9 @@ def test_prefill_offers_nixl_first_with_metadata_and_not_under_tls(tmp_path):
                         RecordingLog())
     try:
         planes = [o.plane for o in offer.offers()]
-        assert planes == [handoff_pb2.DATA_PLANE_NIXL, handoff_pb2.DATA_PLANE_SHARED_MEMORY,
+        assert planes == [handoff_pb2.DATA_PLANE_SHARED_MEMORY, handoff_pb2.DATA_PLANE_NIXL,
                           handoff_pb2.DATA_PLANE_INLINE]
-        assert offer.offers()[0].nixl_agent_metadata == offer.nixl.metadata
+        assert offer.offers()[1].nixl_agent_metadata == offer.nixl.metadata
         assert handoff_pb2.DATA_PLANE_NIXL in offer.served()
     finally:
         offer.nixl.close()
