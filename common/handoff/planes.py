@@ -21,9 +21,10 @@ from common.pb.kvhandoff.v1 import handoff_pb2
 INLINE = "inline"
 SHARED_MEMORY = "shared-memory"
 NIXL = "nixl"
-# auto's order. NIXL measured fastest at 64 MiB but not at 1 GiB (`kvhandoff bench transfer`),
-# and one bench ttft run saw a good NIXL handoff refused (TRANSFER_FAILED, NIXL_ERR_NOT_FOUND
-# on a READ; docs/notes/stop11): until that is understood shared memory comes first on one host.
+# auto's order. On one host shared memory comes first: in both `kvhandoff bench transfer` runs
+# after stop 12's page-order fix it moved 1.11 and 1.01 GB/s at 64 MiB, 1.29 and 1.41 at 1 GiB,
+# against NIXL's 0.99 and 0.91, 1.26 and 1.33 (docs/notes/stop12), with no pinned buffers and
+# no agent; NIXL serves where shared memory cannot (another host).
 PREFERENCE = (SHARED_MEMORY, NIXL, INLINE)
 TO_PROTO = {INLINE: handoff_pb2.DATA_PLANE_INLINE,
             SHARED_MEMORY: handoff_pb2.DATA_PLANE_SHARED_MEMORY,
