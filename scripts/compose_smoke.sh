@@ -251,7 +251,7 @@ checks+=("a 64-token generation streamed from the host via 127.0.0.1:$api_port")
 plane=${SMOKE_PLANE:-shared-memory}
 "${compose[@]}" logs --no-color decode 2>/dev/null | grep '"handoff_verified"' \
     | grep -q "\"plane\": \"$plane\"" || die "decode did not hand off over $plane"
-checks+=("decode handed off over $plane between the containers")
+checks+=("decode handed off over ${plane//-/ } between the containers")
 
 wait_healthy "$standalone" 180
 docker rm -f "$standalone" >/dev/null
