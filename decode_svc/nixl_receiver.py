@@ -30,7 +30,7 @@ from common.counters import Counters
 from common.handoff.codec import WireChunk, WireChunkFrame
 from common.handoff.nixl_agent import DONE, IN_FLIGHT, NixlAgent, Registration, open_agent
 from common.handoff.nixl_buffers import RegisteredBuffers
-from common.handoff.planes import NIXL, TO_PROTO
+from common.handoff.planes import NIXL
 from common.handoff.reasons import refuse
 from common.handoff.transfer import TransferRecord
 from common.handoff.verifier import Expectation
@@ -38,12 +38,12 @@ from common.server.loopback import is_loopback_target
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.chunk_reference import reference_to_fetch
 from decode_svc.engine import DecodeEngine
-from decode_svc.handoff import handoff_budget, receive_handoff
+from decode_svc.handoff import handoff_budget
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.oob_receiver import OutOfBandReceiver
 from decode_svc.prefill_client import PrefillClient
 
 MAX_BUFFERS_PER_HANDOFF = 4
-RELEASE_TIMEOUT_S = 5.0
 DEFAULT_READ_TIMEOUT_S = 5.0
 # Each handoff's buffer metadata adds a section to decode's view of the peer agent, and NIXL's
 # lookups slow down with their number (measured: a 1 MiB load+READ took 0.5 ms after 10 loads,
@@ -197,18 +197,16 @@ class _Landing:
                 self.receiver.engine.after_writes(lambda: pool.give_back(staging))
 
 
-class NixlReceiver(KvReceiver):
+class NixlReceiver(OutOfBandReceiver):
     plane = NIXL
 
     def __init__(self, client: PrefillClient, engine: DecodeEngine, agent: NixlAgent,
                  counters: Counters | None = None,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
-        self.client = client
-        self.engine = engine
+        super().__init__(client, engine)
         self.agent = agent
         self.read_timeout_s = read_timeout_s
         self.staging = StagingPool(agent, counters if counters is not None else Counters())
-        self._releases: set[asyncio.Task] = set()
         self._sections: dict[str, int] = {}  # peer agent -> buffer metadata loaded since added
         self._users: dict[str, int] = {}  # peer agent -> handoffs using it now
 
@@ -234,28 +232,8 @@ class NixlReceiver(KvReceiver):
             del self._sections[peer], self._users[peer]
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
-        request = handoff_pb2.PrefillRequest()
-        request.CopyFrom(job.request)
-        request.data_plane = TO_PROTO[NIXL]
         landing = _Landing(self, job.expect, time.monotonic() + handoff_budget(job.timeout_s))
-        try:
-            return await receive_handoff(self.client, self.engine, request, job.expect,
-                                         job.timeout_s, record, landing.resolve)
-        finally:
-            landing.close()
-            self._release_later(request.request_id, bytes(request.nonce))
-
-    def _release_later(self, request_id: str, nonce: bytes) -> None:
-        """Off the request's path; a release that fails is covered by prefill's grace (P-62)."""
-        task = asyncio.ensure_future(self._release(request_id, nonce))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, request_id: str, nonce: bytes) -> None:
-        try:
-            await self.client.release(request_id, nonce, RELEASE_TIMEOUT_S)
-        except Exception:  # prefill gone or slow: its grace period frees the buffer
-            pass
+        return await self._receive_through(landing, self._request(job), job, record)
 
 
 def nixl_receivers(config: DecodeConfig, client: PrefillClient, engine: DecodeEngine,

@@ -9,32 +9,31 @@ Invariants (besides KvReceiver's): bytes are read only from regions named "kvh-<
 decode's own shared-memory directory that pass shm_region's owner and mode checks; a reference
 is bounded (length = the layout's size for its token range, at most max_chunk_bytes for K plus
 V) before anything is read; a frame with both inline bytes and a reference is refused; every
-region opened is closed and unlinked, and ReleaseHandoff sent, however the handoff ends.
+region opened is closed and unlinked, and ReleaseHandoff sent, however the handoff ends
+(decode_svc.oob_receiver).
 """
 
 from __future__ import annotations
 
-import asyncio
 
 import numpy as np
 
 from common.handoff.codec import WireChunk, WireChunkFrame
-from common.handoff.planes import SHARED_MEMORY, TO_PROTO, host_identity
+from common.handoff.planes import SHARED_MEMORY, host_identity
 from common.handoff.reasons import refuse
 from common.handoff.scattered import ScatteredBytes
 from common.handoff.shm_region import RegionError, RegionReader
 from common.handoff.transfer import TransferRecord
 from common.handoff.verifier import Expectation, VerifiedChunk
-from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.chunk_reference import reference_to_fetch
 from decode_svc.engine import DecodeEngine
-from decode_svc.handoff import receive_handoff, write_chunk
-from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.handoff import write_chunk
+from decode_svc.kv_receiver import HandoffJob, LandedKv
+from decode_svc.oob_receiver import OutOfBandReceiver
 from decode_svc.page_landing import PageLanding
 from decode_svc.prefill_client import PrefillClient
 
 MAX_REGIONS_PER_HANDOFF = 4
-RELEASE_TIMEOUT_S = 5.0
 
 
 class _Landing:
@@ -111,40 +110,17 @@ class _Landing:
         self.readers.clear()
 
 
-class SharedMemoryReceiver(KvReceiver):
+class SharedMemoryReceiver(OutOfBandReceiver):
     plane = SHARED_MEMORY
 
     def __init__(self, client: PrefillClient, engine: DecodeEngine, directory: str) -> None:
-        self.client = client
-        self.engine = engine
+        super().__init__(client, engine)
         self.directory = directory
         self.host_id = host_identity(directory)
         self.pages = PageLanding(engine.pool)
-        self._releases: set[asyncio.Task] = set()
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
-        request = handoff_pb2.PrefillRequest()
-        request.CopyFrom(job.request)
-        request.data_plane = TO_PROTO[SHARED_MEMORY]
+        request = self._request(job)
         request.data_plane_host_id = self.host_id
         landing = _Landing(self.directory, job.expect, self.engine, self.pages)
-        try:
-            return await receive_handoff(self.client, self.engine, request, job.expect,
-                                         job.timeout_s, record, landing.resolve,
-                                         landing.deliver)
-        finally:
-            landing.close()
-            self._release_later(request.request_id, bytes(request.nonce))
-
-    def _release_later(self, request_id: str, nonce: bytes) -> None:
-        """Off the request's path: the tokens need not wait for prefill's acknowledgement, and
-        a release that fails is covered by prefill's grace period (P-62)."""
-        task = asyncio.ensure_future(self._release(request_id, nonce))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release(self, request_id: str, nonce: bytes) -> None:
-        try:
-            await self.client.release(request_id, nonce, RELEASE_TIMEOUT_S)
-        except Exception:  # prefill gone or slow: its grace period frees the region
-            pass
+        return await self._receive_through(landing, request, job, record, landing.deliver)
