@@ -27,3 +27,8 @@ class CpuMeter:
 
     def cpu(self) -> tuple[float, float]:
         return process_cpu_seconds(), process_cpu_seconds(self.prefill_pid)
+
+    def since(self, before: tuple[float, float]) -> tuple[float, float]:
+        """(decode, prefill) CPU seconds used since the reading `before`."""
+        now = self.cpu()
+        return now[0] - before[0], now[1] - before[1]

@@ -86,8 +86,7 @@ async def timed(meter: CpuMeter, run, nbytes: int) -> tuple[float, int, tuple[fl
     """run(nbytes) -> (seconds, bytes, (decode, prefill) CPU seconds it used)."""
     before = meter.cpu()
     seconds, got = await run(nbytes)
-    after = meter.cpu()
-    return seconds, got, (after[0] - before[0], after[1] - before[1])
+    return seconds, got, meter.since(before)
 
 
 def default_repeats(size: int) -> int:

@@ -121,14 +121,13 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
                 seconds, got = await _handoff(side, receiver, layout, tokens)
                 if got != nbytes:
                     raise RuntimeError(f"nixl moved {got} bytes, expected {nbytes}")
-                between = meter.cpu()
+                used, before = meter.since(before), meter.cpu()
                 bare = await bare_read(agent, sock, nbytes, own, peers)
-                after = meter.cpu()
                 if rep:
                     times["nixl"].append(seconds)
                     times["bare-nixl"].append(bare)
-                    cpu["nixl"].append((between[0] - before[0], between[1] - before[1]))
-                    cpu["bare-nixl"].append((after[0] - between[0], after[1] - between[1]))
+                    cpu["nixl"].append(used)
+                    cpu["bare-nixl"].append(meter.since(before))
                 progress(f"{nbytes >> 20} MiB over NIXL: {rep}/{reps}")
             rows = {name: stats(nbytes, t, cpu[name]) for name, t in times.items()}
             tcp = next((t["gbps_median"] for t in result["transports"]

@@ -65,14 +65,6 @@ def kv_pieces(k_layer: np.ndarray, v_layer: np.ndarray, row: int, page_table: Se
     return KvPieces(k, v, token_end - token_start)
 
 
-def copy_pieces(source: np.ndarray, pieces: ScatteredBytes) -> None:
-    """Fills pieces, in order, from source (uint8, len(pieces) bytes)."""
-    at = 0
-    for piece in pieces.pieces:
-        np.copyto(piece, source[at:at + piece.size])
-        at += piece.size
-
-
 def gather_into(dest: np.ndarray, data) -> None:
     """Fills dest (uint8, len(data) bytes) from data: a uint8 array or ScatteredBytes."""
     if not isinstance(data, ScatteredBytes):
