@@ -19,7 +19,7 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
-# Lets scripts/compose_smoke.sh (SMOKE_CLEAN=all) find this stage's leftover image.
+# Lets scripts/compose_smoke.sh find this stage's superseded (untagged) images and remove them.
 LABEL org.kvhandoff.stage=build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
@@ -54,6 +54,7 @@ RUN if [ -f /tmp/wheels/requirements.txt ]; then \
     && python -c "import kvhandoff_cli.health_probe, kvhandoff_cli.main"
 
 FROM ${BASE_IMAGE}
+LABEL org.kvhandoff.stage=service
 # Triton compiles a small launcher with the system C compiler the first time a kernel runs on
 # CUDA; a CPU image does not need one (WITH_COMPILER=0). A base that already has `cc` (e.g.
 # BASE_INCLUDE=gcc,libc6-dev bash scripts/base_image.sh) needs no apt-get here.

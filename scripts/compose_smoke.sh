@@ -17,15 +17,16 @@
 #    its tokens, the stop must return within stop_grace_period, both containers exit 0 and
 #    decode's log says it drained with the requests in flight;
 # 6. takes everything down: containers, network, volumes, the temporary model dir, the dockerd
-#    it started. Images and wheels/ stay as the build cache (a warm run reuses them) unless
-#    SMOKE_CLEAN=all, which also removes the images and wheels this run made.
+#    it started. The image, its build stage (tagged $SMOKE_IMAGE-build) and wheels/ stay as the
+#    build cache (a warm run reuses them); the images a new build supersedes are removed at once;
+#    SMOKE_CLEAN=all also removes the images and wheels this run made.
 #
 # Traffic: host loopback <-> the containers' bridge only; the containers reach nothing else.
 # Environment: PYTHON (host Python with this package; default .venv/bin/python), COMPOSE
 # (compose command), SMOKE_PLANE (the data plane decode's handoffs must use: shared-memory;
 # with PREFILL_NIXL=true, nixl), KVHANDOFF_BASE_IMAGE (kvhandoff-base:bookworm), SMOKE_IMAGE
 # (kvhandoff:smoke), SMOKE_REPORT (write the summary JSON there), SMOKE_CLEAN, SMOKE_BUILD_ONLY=1
-# (stop after the build: the cheap part).
+# (stop after the build: the cheap part), SMOKE_MIN_FREE_GB (8: refuse to build with less free).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -39,6 +40,8 @@ t_start=$(now)
 project="kvhandoff-smoke-$$"
 base=${KVHANDOFF_BASE_IMAGE:-kvhandoff-base:bookworm}
 image=${SMOKE_IMAGE:-kvhandoff:smoke}
+build_image="$image-build"
+SMOKE_MIN_FREE_GB=${SMOKE_MIN_FREE_GB:-8}
 work=$(mktemp -d /tmp/kvhandoff-smoke.XXXXXX)
 declare -A timings=()
 started_dockerd=""
@@ -77,7 +80,7 @@ cleanup() {
         fi
     fi
     if [[ "${SMOKE_CLEAN:-}" == all ]]; then
-        docker image rm -f "$image" >/dev/null 2>&1
+        docker image rm -f "$image" "$build_image" >/dev/null 2>&1
         docker image prune -f --filter label=org.kvhandoff.stage=build >/dev/null 2>&1
         if [[ -n "$made_base" ]]; then docker image rm -f "$base" >/dev/null 2>&1; fi
         if [[ -n "$made_wheels" ]]; then
@@ -141,11 +144,31 @@ fi
 timings[wheels]=$(since "$t")
 
 t=$(now)
+# A build needs room for the build stage (about 3 GB) and the image (about 2.5 GB) at once.
+docker_root=$(docker info -f '{{.DockerRootDir}}')
+free_gb=$(( $(df -Pk "$docker_root" | awk 'NR == 2 {print $4}') / 1048576 ))
+(( free_gb >= SMOKE_MIN_FREE_GB )) || die "only $free_gb GB free under $docker_root; the \
+build needs $SMOKE_MIN_FREE_GB GB (free some: docker image prune; SMOKE_CLEAN=all removes what a run made)"
+previous=$(docker image inspect -f '{{.Id}}' "$image" 2>/dev/null || true)
+previous_build=$(docker image inspect -f '{{.Id}}' "$build_image" 2>/dev/null || true)
 say "building $image from $base (docker build --network none; log: $work/build.log)"
-docker build --network none -t "$image" --build-arg BASE_IMAGE="$base" \
-    --build-arg WITH_COMPILER=0 . >"$work/build.log" 2>&1 \
-    || { tail -n 30 "$work/build.log" >&2; die "docker build failed"; }
+# The build stage gets its own tag, so that it stays the cache of the next run while the stages
+# of earlier builds, untagged now, can be told apart and removed.
+for target in build final; do
+    if [[ $target == build ]]; then tag=(--target build -t "$build_image"); else tag=(-t "$image"); fi
+    docker build --network none "${tag[@]}" --build-arg BASE_IMAGE="$base" \
+        --build-arg WITH_COMPILER=0 . >>"$work/build.log" 2>&1 \
+        || { tail -n 30 "$work/build.log" >&2; die "docker build failed"; }
+done
 timings[build]=$(since "$t")
+# What this build superseded is unreachable now: remove it, or every run leaves 5 GB behind.
+for old in "$previous" "$previous_build"; do
+    if [[ -n "$old" && "$old" != "$(docker image inspect -f '{{.Id}}' "$image")" \
+          && "$old" != "$(docker image inspect -f '{{.Id}}' "$build_image")" ]]; then
+        docker image rm "$old" >/dev/null 2>&1 || say "kept superseded image $old (still in use)"
+    fi
+done
+docker image prune -f --filter label=org.kvhandoff.stage >/dev/null  # untagged ones only
 image_size=$(docker image inspect -f '{{.Size}}' "$image")
 say "built $image: $((image_size / 1000000)) MB in ${timings[build]} s"
 if [[ "${SMOKE_BUILD_ONLY:-}" == 1 ]]; then
