@@ -65,6 +65,9 @@ class PrefillJob:
     unsent: JobBytes = field(default_factory=JobBytes)
     sender: KvSender = field(default_factory=InlineSender)  # the plane the chunks leave by
     computed_tokens: int = 0
+    # of computed_tokens, those whose KV the job's pages held when reserved (a prefix-cache
+    # hit or the submitter's preset); fixed from then on
+    cached_tokens: int = 0
     streamed_tokens: int = 0
     cache_scope: bytes = b""  # who may share its cached prefix (decode's, SPEC.md D-80)
 
@@ -200,7 +203,7 @@ class PrefillEngine:
                                     b"" if preset else job.cache_scope)
         if cached is None:
             return False
-        job.computed_tokens = max(preset, cached)
+        job.computed_tokens = job.cached_tokens = max(preset, cached)
         return True
 
     def _run_pass(self, plan: list[ChunkSlice]) -> None:

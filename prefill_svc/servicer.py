@@ -136,7 +136,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
                 self.engine.frame_sent(job, len(frame))
             completed = True
             log.info("prefill_streamed", chunks=job.chunks_sent, plane=job.sender.plane,
-                     cached_tokens=job.computed_tokens)
+                     cached_tokens=job.cached_tokens)
         finally:
             if not job.cancelled.is_set():
                 job.cancelled.set()  # no-op once the engine is done; stops work when decode left

@@ -62,8 +62,9 @@ class Reply:
 
 
 def generate_reply(address: str, token_ids: list[int], max_tokens: int,
-                   timeout: float = 120) -> Reply:
-    request = generate_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True)
+                   timeout: float = 120, cache_salt: str = "") -> Reply:
+    request = generate_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True,
+                                           cache_salt=cache_salt)
     request.token_ids.ids.extend(token_ids)
     tokens: list[int] = []
     reply = None

@@ -35,6 +35,21 @@ def test_one_request_id_joins_prefill_and_decode_lines(ops_cluster):
     assert {e["service"] for e in prefill} == {"prefill"}
 
 
+def test_prefill_logs_only_the_tokens_the_prefix_cache_gave(ops_cluster):
+    """prefill_streamed's cached_tokens is the prefix taken from the cache, not the prompt."""
+    prompt = [3 + (7 * i) % 90 for i in range(41)]  # 2 whole pages of 16 and 9 tokens
+    cached = {}
+    for label, salt in (("cold", "logs-cache-test"), ("warm", "logs-cache-test"),
+                        ("unscoped", "")):
+        reply = generate_reply(ops_cluster.address, prompt, 2, cache_salt=salt)
+        streamed = [e for e in _request_events(ops_cluster.prefill, reply.request_id,
+                                               PREFILL_PHASES)
+                    if e["event"] == "prefill_streamed"]
+        assert len(streamed) == 1, streamed
+        cached[label] = streamed[0]["cached_tokens"]
+    assert cached == {"cold": 0, "warm": 32, "unscoped": 0}
+
+
 def test_every_log_line_is_a_json_event(ops_cluster):
     generate_reply(ops_cluster.address, [7, 8, 9], 2)
     for service in (ops_cluster.prefill, ops_cluster.decode):
