@@ -8,6 +8,7 @@ names the rule it breaks), so nothing is read for it.
 
 from __future__ import annotations
 
+from common.handoff.codec import WireChunkFrame
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.handoff.reasons import refuse
 from common.handoff.verifier import Expectation
@@ -23,17 +24,18 @@ def reference_to_fetch(frame, expect: Expectation, plane: str) -> handoff_pb2.Kv
     """The chunk whose referenced bytes decode should fetch, or None when the frame goes to the
     verifier as it is. Raises REFERENCE_UNEXPECTED for a chunk with both bytes and a reference
     (plane names the reference in the message)."""
-    if frame is None or frame.WhichOneof("frame") != "chunk":
-        return None
+    if frame is None or isinstance(frame, WireChunkFrame) or frame.WhichOneof("frame") != "chunk":
+        return None  # a WireChunkFrame is an inline chunk (the fast parser reads no reference)
     chunk = frame.chunk
     if not chunk.HasField("ref"):
-        return None  # the verifier refuses its empty K and V (CHUNK_SIZE_MISMATCH)
+        return None  # inline bytes: checked as on INLINE (empty ones: CHUNK_SIZE_MISMATCH)
     if len(chunk.k) or len(chunk.v):
         raise refuse("REFERENCE_UNEXPECTED", f"chunk {chunk.sequence_number} carries both "
                      f"inline bytes and a {plane} reference")
     tokens = chunk.token_end - chunk.token_start
     if tokens <= 0 or tokens > expect.token_count or 2 * chunk.ref.length > chunk_limit(expect):
-        return None  # out of range or too large: the verifier names the rule, nothing read
+        return None  # out of range or too large: the verifier names the rule (the reference's
+        # size counts as the chunk's, common.handoff.verifier.carried_sizes), nothing read
     if chunk.ref.length != tokens * expect.layout.k_bytes_per_token_per_layer:
         return None  # the verifier refuses the size (CHUNK_SIZE_MISMATCH)
     return chunk

@@ -44,6 +44,15 @@ class Expectation:
     allow_protocol_1_0: bool = False  # accept an unbound (1.0) handoff: no nonce, no checksums
 
 
+def carried_sizes(chunk) -> tuple[int, int]:
+    """The K and V sizes a chunk frame claims: its bytes, or for an out-of-band reference that
+    decode left unread (it was out of bounds, D-62), the size the reference names."""
+    if (not len(chunk.k) and not len(chunk.v) and isinstance(chunk, handoff_pb2.KvChunk)
+            and chunk.HasField("ref")):
+        return chunk.ref.length, chunk.ref.length
+    return len(chunk.k), len(chunk.v)
+
+
 @dataclass(frozen=True)
 class VerifiedChunk:
     layer: int
@@ -171,14 +180,15 @@ class HandoffVerifier:
         if not start < end <= self.expect.token_count:
             raise self._fail("CHUNK_RANGE_INVALID", f"chunk token range [{start}, {end}) is not "
                              f"inside [0, {self.expect.token_count})")
-        payload = len(chunk.k) + len(chunk.v)
+        k_size, v_size = carried_sizes(chunk)
+        payload = k_size + v_size
         limit = self.expect.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES  # 0: the default
         if payload > limit:
             raise self._fail("FRAME_TOO_LARGE", f"chunk payload {payload} bytes exceeds the "
                              f"negotiated maximum {limit}")
         expected = (end - start) * layout.k_bytes_per_token_per_layer
-        if len(chunk.k) != expected or len(chunk.v) != expected:
-            raise self._fail("CHUNK_SIZE_MISMATCH", f"chunk K/V are {len(chunk.k)}/{len(chunk.v)} "
+        if k_size != expected or v_size != expected:
+            raise self._fail("CHUNK_SIZE_MISMATCH", f"chunk K/V are {k_size}/{v_size} "
                              f"bytes; the layout needs {expected} for {end - start} tokens")
         coverage = self._coverage[chunk.layer]
         if coverage.find(1, start, end) != -1:
