@@ -46,6 +46,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="how long to wait for the decode to report SERVING (s)")
     dec.add_argument("--stall-deadline", type=float, default=3.0,
                      help="the client deadline of the stall case (s)")
+    dec.add_argument("--shm-dir", default="/dev/shm",
+                     help="the decode's shared-memory directory: when its requests ask for "
+                          "SHARED_MEMORY, the fake reads the reference's regions and writes its "
+                          "own there")
     return p
 
 
@@ -75,7 +79,7 @@ async def _run(args: argparse.Namespace, selection: Selection) -> list[CaseResul
 
     return await run_decode_suite(args.target, args.fake_prefill_listen, args.reference_prefill,
                                   selection, args.timeout, args.settle_timeout, args.wait,
-                                  args.stall_deadline, progress)
+                                  args.stall_deadline, progress, args.shm_dir)
 
 
 def main(argv: list[str]) -> int:

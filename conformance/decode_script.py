@@ -10,10 +10,16 @@ import grpc
 
 from common.pb.kvhandoff.v1 import handoff_pb2
 from conformance.handoff_edit import Frame, Handoff
+from conformance.regions import FakeRegions
 from conformance.spec import (DEFAULT_MAX_CHUNK_BYTES, PLANE_REFUSAL_STATUS, REFUSAL_STATUS,
                               rejected_status)
 
 DEFAULT_PROMPT_TOKENS = 24
+INLINE = handoff_pb2.DATA_PLANE_INLINE
+SHARED_MEMORY = handoff_pb2.DATA_PLANE_SHARED_MEMORY
+# The planes on which the fake can play a case built inline: on SHARED_MEMORY it moves the
+# bytes into a region (conformance.regions).
+PLAYABLE_PLANES = (INLINE, SHARED_MEMORY)
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class ScriptInput:
     ref: Handoff
     vocab_size: int
     decoy: Handoff | None = None  # the KV of another prompt of the same length, when asked for
+    regions: FakeRegions | None = None  # on a SHARED_MEMORY handoff: where the fake may write
 
     @property
     def max_chunk_bytes(self) -> int:
@@ -99,6 +106,7 @@ class DecodeCase:
     prompt_tokens: Callable[[object], int] | int = DEFAULT_PROMPT_TOKENS
     deadline: float | None = None  # the client's deadline for Generate; None: the suite's
     decoy: Callable[[list[int], int], list[int]] | None = None  # (prompt, vocab) -> other prompt
+    planes: tuple[int, ...] = PLAYABLE_PLANES  # the planes of decode's requests it applies to
 
     @property
     def expectation(self) -> str:

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from common.handoff.layout import kv_bytes_per_token_per_layer
-from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
+from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc, handoff_pb2
 from common.server.wait import wait_serving
 from conformance.binding import MIN_NONCE_BYTES
 from conformance.decode_cases import STALL_SECONDS, decode_cases
 from conformance.decode_edits import refusal_then_silence
-from conformance.decode_script import DecodeCase, Expect, refused, tokens
+from conformance.decode_plane_cases import shared_memory_cases
+from conformance.decode_script import INLINE, DecodeCase, Expect, refused, tokens
 from conformance.fake_prefill import Exchange, FakePrefill, passthrough
 from conformance.pool import PoolWatch
 from conformance.report import CaseResult, Selection
@@ -48,6 +49,7 @@ class DecodeTarget:
     context_window: int = 0  # the smaller of decode's and the prefill's max_context_tokens
     prefill_max_prompt: int = 0  # the longest prompt decode may forward (its and prefill's pools)
     page_size: int = 16
+    data_plane: int = INLINE  # the plane decode's requests name (learned from the first one)
 
     def oversize_prompt_tokens(self) -> int:
         """A prompt long enough for one layout-consistent chunk over the negotiated maximum,
@@ -137,8 +139,15 @@ def check_run(case: DecodeCase, run: CaseRun) -> list[str]:
     return problems
 
 
+def plane_name(plane: int) -> str:
+    return handoff_pb2.DataPlane.Name(plane).removeprefix("DATA_PLANE_")
+
+
 def _as_case(case: DecodeCase) -> Case[DecodeTarget]:
     async def run(t: DecodeTarget) -> list[str]:
+        if t.data_plane not in case.planes:
+            raise NotApplicable(f"decode asks for {plane_name(t.data_plane)}; the case needs "
+                                f"{' or '.join(plane_name(p) for p in case.planes)}")
         return check_run(case, await play(t, case))
     return Case(case.case_id, case.rule, case.level, case.expectation, run)
 
@@ -273,6 +282,7 @@ def suite_cases(stall_deadline: float = 3.0) -> list[Case[DecodeTarget]]:
              "salt; decode's own hash of the salt, equal for equal salts, never the salt",
              _cache_scope_computed),
         *(_as_case(c) for c in decode_cases(stall_deadline)),
+        *(_as_case(c) for c in shared_memory_cases()),
     ]
 
 
@@ -300,14 +310,17 @@ async def open_target(decode: str, fake: FakePrefill, timeout: float, settle_tim
     probe = await play(t, decode_cases()[0])  # learns decode's max_chunk_bytes
     if probe.exchanges and probe.exchanges[0].request.max_chunk_bytes:
         t.negotiated_max_chunk = probe.exchanges[0].request.max_chunk_bytes
+    if probe.exchanges:
+        t.data_plane = probe.exchanges[0].request.data_plane or INLINE
     await pool.settled(settle_timeout)
     return t
 
 
 async def run_decode_suite(decode: str, listen: str, reference: str, selection: Selection,
                            timeout: float, settle_timeout: float, wait: float,
-                           stall_deadline: float, progress=None) -> list[CaseResult]:
-    fake = FakePrefill(reference)
+                           stall_deadline: float, progress=None,
+                           shm_dir: str = "/dev/shm") -> list[CaseResult]:
+    fake = FakePrefill(reference, shm_dir)
     await fake.start(listen)
     try:
         t = await open_target(decode, fake, timeout, settle_timeout, wait)

@@ -1,9 +1,13 @@
 """The scripted fake prefill: a proxy in front of a real reference prefill of the same model.
 
-GetPrefillInfo is forwarded unchanged, so the decode under test agrees to serve. On Prefill the
-fake fetches the whole handoff from the reference for decode's own request, then plays the
-current script (the reference frames unchanged, or a broken variant of them) and records what
-happened: the request, the frames sent, and whether decode cancelled the call.
+GetPrefillInfo and ReleaseHandoff are forwarded unchanged, so the decode under test agrees to
+serve (and may choose the reference's SHARED_MEMORY plane). On Prefill the fake fetches the whole
+handoff from the reference for decode's own request, then plays the current script (the
+reference frames unchanged, or a broken variant of them) and records what happened: the request,
+the frames sent, and whether decode cancelled the call. When decode asked for SHARED_MEMORY, the
+script sees the reference's KV read back from its regions, and the chunks it builds inline go
+out as references into a region of the fake's own (conformance.regions), so every case plays
+over that plane too; the fake removes its regions before the next call and when it stops.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from grpc_status import rpc_status
 from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 from conformance.decode_script import Abort, Script, ScriptInput, Sleep
 from conformance.handoff_edit import Frame, Handoff
+from conformance.regions import FakeRegions, inline_copy
 from conformance.spec import ERROR_DOMAIN
 from conformance.wire import read_handoff
 
@@ -58,8 +63,9 @@ def error_status(step: Abort) -> grpc.Status:
 class FakePrefill:
     """Serve with `start(listen)`; set `script` before each decode call; read `exchanges`."""
 
-    def __init__(self, reference: str) -> None:
+    def __init__(self, reference: str, shm_dir: str = "/dev/shm") -> None:
         self.reference = reference
+        self.regions = FakeRegions(shm_dir)  # decode's shared-memory directory, when it uses it
         self.script: Script = passthrough
         # set for cases that need the KV of another prompt of the same length: prompt -> decoy
         self.decoy: Callable[[list[int], int], list[int]] | None = None
@@ -81,6 +87,9 @@ class FakePrefill:
             "GetPrefillInfo": grpc.unary_unary_rpc_method_handler(
                 self._info, request_deserializer=handoff_pb2.GetPrefillInfoRequest.FromString,
                 response_serializer=raw),
+            "ReleaseHandoff": grpc.unary_unary_rpc_method_handler(
+                self._release, request_deserializer=handoff_pb2.ReleaseHandoffRequest.FromString,
+                response_serializer=raw),
         }
         self._server = grpc.aio.server(options=[("grpc.max_send_message_length", -1)])
         self._server.add_generic_rpc_handlers(
@@ -96,10 +105,23 @@ class FakePrefill:
             await self._server.stop(0)
         if self._channel is not None:
             await self._channel.close()
+        self.regions.remove_all()
 
     async def _info(self, request, context):
         stub = handoff_pb2_grpc.HandoffServiceStub(self._channel)
         return await stub.GetPrefillInfo(request, timeout=REFERENCE_TIMEOUT)
+
+    async def _release(self, request, context):
+        stub = handoff_pb2_grpc.HandoffServiceStub(self._channel)
+        return await stub.ReleaseHandoff(request, timeout=REFERENCE_TIMEOUT)
+
+    def _taken_apart(self, request: handoff_pb2.PrefillRequest, frames: list) -> Handoff:
+        """The reference's handoff, its bytes inline for the script; `original` stays as sent."""
+        if request.data_plane != handoff_pb2.DATA_PLANE_SHARED_MEMORY:
+            return Handoff.from_frames(frames)
+        handoff = Handoff.from_frames(inline_copy(frames, self.regions.directory))
+        handoff.original = list(frames)
+        return handoff
 
     async def _decoy(self, request: handoff_pb2.PrefillRequest, timeout: float):
         """The reference's handoff of the decoy prompt (same length, same nonce), if wanted."""
@@ -109,23 +131,27 @@ class FakePrefill:
         other.CopyFrom(request)
         other.request_id = f"{request.request_id}-decoy"
         other.token_ids[:] = self.decoy(list(request.token_ids), self.info.vocab_size)
-        return await read_handoff(self._channel, other, timeout)
+        received = await read_handoff(self._channel, other, timeout)
+        return self._taken_apart(other, received.frames)
 
     async def _prefill(self, request: handoff_pb2.PrefillRequest, context):
         exchange = Exchange(request)
         self.exchanges.append(exchange)
         script = self.script
+        self.regions.remove_all()  # the last call's: decode is done with them
+        shared_memory = request.data_plane == handoff_pb2.DATA_PLANE_SHARED_MEMORY
         try:
             remaining = context.time_remaining()  # pass decode's deadline on to the reference
             timeout = REFERENCE_TIMEOUT if remaining is None else min(remaining, REFERENCE_TIMEOUT)
             received = await read_handoff(self._channel, request, timeout)
             decoy = await self._decoy(request, timeout)
             try:
-                ref = Handoff.from_frames(received.frames)
+                ref = self._taken_apart(request, received.frames)
                 exchange.reference_first_token = ref.commit.first_token_id
-                steps = script(ScriptInput(request, ref, self.info.vocab_size,
-                                           None if decoy is None else
-                                           Handoff.from_frames(decoy.frames)))
+                steps = script(ScriptInput(request, ref, self.info.vocab_size, decoy,
+                                           self.regions if shared_memory else None))
+                if shared_memory:
+                    steps = self.regions.out_of_band(steps)
             except Exception as exc:
                 exchange.error = (f"could not build the scripted handoff from the reference "
                                   f"({received.kinds()[:4]}, {received.outcome.describe()}): "

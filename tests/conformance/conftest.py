@@ -14,3 +14,14 @@ def reference_prefill(tmp_path_factory):
     service = start_service("prefill", tmp_path_factory.mktemp("reference"), PREFILL_FLAGS)
     yield service
     service.stop()
+
+
+@pytest.fixture(scope="package")
+def shared_memory_reference(tmp_path_factory):
+    """A reference prefill offering SHARED_MEMORY on a directory of its own: (service, dir)."""
+    root = tmp_path_factory.mktemp("shm-reference")
+    shm_dir = root / "shm"
+    shm_dir.mkdir()
+    service = start_service("prefill", root, [*PREFILL_FLAGS, "--shm-dir", str(shm_dir)])
+    yield service, shm_dir
+    service.stop()

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from tests.conformance.broken.process import start_variant
-from tests.conformance.suite_process import PREFILL_FLAGS, run_decode_suite, run_prefill_suite
+from tests.conformance.suite_process import (
+    PREFILL_FLAGS,
+    run_decode_suite,
+    run_prefill_suite,
+    shared_memory_decode_flags,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -41,6 +46,14 @@ DECODE_VARIANTS = {
     "decode_cancels_late": ({"cancel_after_refusal"}, "good_passthrough"),
     "decode_range_end_off_by_one": ({"chunk_range_end_past_count"}, "good_passthrough"),
     "decode_refuses_one_token_chunks": ({"good_one_token_edges"}, "good_passthrough"),
+}
+# on the SHARED_MEMORY plane (the decode and the suite on the reference's directory)
+SHARED_MEMORY_DECODE_VARIANTS = {
+    "decode_trusts_region_files": ({"shm_region_group_readable", "shm_region_symlink",
+                                    "shm_region_name_form", "shm_region_path"},
+                                   "shm_passthrough"),
+    "decode_skips_checksum": ({"shm_region_bytes_changed", "checksum_payload"},
+                              "shm_passthrough"),
 }
 PREFILL_VARIANTS = {
     "prefill_chunks_after_rejected": ({"reject_empty_prompt", "reject_out_of_vocab",
@@ -79,6 +92,19 @@ def test_suite_fails_broken_decode(variant, reference_prefill, tmp_path):
     run = run_decode_suite(
         lambda flags: start_variant(variant, "decode", tmp_path / "decode", flags),
         reference_prefill.address, tmp_path, ["--skip", "stall_*"])
+    _assert_caught(run, must_fail, still_passes)
+
+
+@pytest.mark.parametrize("variant", sorted(SHARED_MEMORY_DECODE_VARIANTS))
+def test_suite_fails_broken_decode_over_shared_memory(variant, shared_memory_reference,
+                                                      tmp_path):
+    must_fail, still_passes = SHARED_MEMORY_DECODE_VARIANTS[variant]
+    reference, shm_dir = shared_memory_reference
+    run = run_decode_suite(
+        lambda flags: start_variant(variant, "decode", tmp_path / "decode",
+                                    [*flags, *shared_memory_decode_flags(shm_dir)]),
+        reference.address, tmp_path, ["--only", "shm_*,checksum_payload", "--shm-dir",
+                                      str(shm_dir)])
     _assert_caught(run, must_fail, still_passes)
 
 

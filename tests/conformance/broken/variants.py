@@ -7,9 +7,9 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-import google_crc32c
 
 from common.handoff.codec import chunk_frame
+from common.handoff.crc import payload_crc32c
 from common.handoff.verifier import ABORTED, HandoffVerifier
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -57,7 +57,7 @@ def decode_skips_checksum() -> None:
     """D-17 broken: the crc32c is never compared (each chunk is checked with its true crc)."""
     def make(original):
         def _on_chunk(self, chunk):
-            crc = google_crc32c.extend(google_crc32c.value(bytes(chunk.k)), bytes(chunk.v))
+            crc = payload_crc32c(chunk.k, chunk.v)  # inline or landed bytes alike
             return original(self, _CrcOverride(chunk, crc))
         return _on_chunk
     _patch(HandoffVerifier, "_on_chunk", make)
@@ -102,7 +102,7 @@ def decode_skips_frame_checksums() -> None:
 
     def make_chunk(original):
         def _on_chunk(self, chunk):
-            crc = google_crc32c.extend(google_crc32c.value(bytes(chunk.k)), bytes(chunk.v))
+            crc = payload_crc32c(chunk.k, chunk.v)  # inline or landed bytes alike
             meta = chunk_metadata(chunk.request_id, self.expect.nonce, chunk.sequence_number,
                                   chunk.layer, chunk.token_start, chunk.token_end)
             return original(self, _Lens(chunk, chunk_crc32c=chunk_checksum(crc, meta)))
@@ -133,6 +133,26 @@ def decode_ignores_reference_on_inline() -> None:
     import decode_svc.handoff as handoff
 
     _patch_module(handoff, "_inline_only", lambda original: (lambda frame: frame))
+
+
+def decode_trusts_region_files() -> None:
+    """D-62 broken: decode opens whatever a shared-memory reference names in its directory,
+    following links, without looking at the name's form, the file's kind, owner or mode."""
+    import os
+    from pathlib import Path
+
+    from common.handoff.shm_region import RegionError, RegionReader
+
+    def make(original):
+        def __init__(self, directory, name):  # noqa: N807 - the method it replaces
+            path = Path(directory) / name
+            try:
+                self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as err:
+                raise RegionError(f"region {name} cannot be opened: {err.strerror}") from err
+            self.name, self.path = name, path
+        return __init__
+    _patch(RegionReader, "__init__", make)
 
 
 def decode_skips_finite_check() -> None:
@@ -458,6 +478,7 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "decode_skips_frame_checksums": ("decode", decode_skips_frame_checksums),
     "decode_accepts_protocol_1_0": ("decode", decode_accepts_protocol_1_0),
     "decode_ignores_reference_on_inline": ("decode", decode_ignores_reference_on_inline),
+    "decode_trusts_region_files": ("decode", decode_trusts_region_files),
     "decode_skips_finite_check": ("decode", decode_skips_finite_check),
     "decode_skips_layer0_check": ("decode", decode_skips_layer0_check),
     "decode_skips_depth_check": ("decode", decode_skips_depth_check),
