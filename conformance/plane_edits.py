@@ -6,29 +6,15 @@ from __future__ import annotations
 
 import os
 
-from common.pb.kvhandoff.v1 import handoff_pb2
 from conformance.decode_edits import replace_frame
 from conformance.decode_script import ScriptInput, Step, middle
-from conformance.handoff_edit import Frame
-from conformance.regions import FakeRegions, region_name
+from conformance.regions import FakeRegions, region_name, with_reference
 
 
 def _regions(i: ScriptInput) -> FakeRegions:
     if i.regions is None:
         raise ValueError("the case needs a SHARED_MEMORY handoff")
     return i.regions
-
-
-def _referenced(frame: Frame, region: str, k_offset: int, v_offset: int,
-                keep_bytes: bool = False) -> Frame:
-    out = Frame()
-    out.CopyFrom(frame)
-    length = len(frame.chunk.k)
-    if not keep_bytes:
-        out.chunk.k, out.chunk.v = b"", b""
-    out.chunk.ref.CopyFrom(handoff_pb2.KvRegionRef(region=region, k_offset=k_offset,
-                                                   v_offset=v_offset, length=length))
-    return out
 
 
 def middle_in_region(i: ScriptInput, flip_byte: bool = False, drop_last_byte: bool = False,
@@ -49,7 +35,7 @@ def middle_in_region(i: ScriptInput, flip_byte: bool = False, drop_last_byte: bo
         del data[-1]
     written = regions.write(bytes(data), mode=mode, name=name)
     region = refer_as(written) if refer_as else written
-    return replace_frame(frames, at, _referenced(frames[at], region, 0, len(k), keep_bytes))
+    return replace_frame(frames, at, with_reference(frames[at], region, 0, len(k), keep_bytes))
 
 
 def middle_in_missing_region(i: ScriptInput) -> list[Step]:
@@ -57,7 +43,7 @@ def middle_in_missing_region(i: ScriptInput) -> list[Step]:
     _regions(i)
     frames = i.good()
     at = middle(frames)
-    return replace_frame(frames, at, _referenced(frames[at], region_name(), 0,
+    return replace_frame(frames, at, with_reference(frames[at], region_name(), 0,
                                                  len(frames[at].chunk.k)))
 
 
@@ -68,11 +54,8 @@ def middle_through_symlink(i: ScriptInput) -> list[Step]:
     frames = i.good()
     at = middle(frames)
     k, v = frames[at].chunk.k, frames[at].chunk.v
-    target = regions.write(k + v)
-    link = region_name()
-    os.symlink(target, os.path.join(regions.directory, link))
-    regions.names.append(link)
-    return replace_frame(frames, at, _referenced(frames[at], link, 0, len(k)))
+    link = regions.link(regions.write(k + v))
+    return replace_frame(frames, at, with_reference(frames[at], link, 0, len(k)))
 
 
 def path_back_into(directory: str):

@@ -64,6 +64,20 @@ def inline_copy(frames: list[Frame], directory: str) -> list[Frame]:
     return out
 
 
+def with_reference(frame: Frame, region: str, k_offset: int, v_offset: int,
+                   keep_bytes: bool = False) -> Frame:
+    """A copy of chunk frame referring to K and V (each as long as its K) at the offsets of
+    region, its inline bytes dropped unless keep_bytes; checksums untouched."""
+    out = Frame()
+    out.CopyFrom(frame)
+    length = len(frame.chunk.k)
+    if not keep_bytes:
+        out.chunk.k, out.chunk.v = b"", b""
+    out.chunk.ref.CopyFrom(handoff_pb2.KvRegionRef(region=region, k_offset=k_offset,
+                                                   v_offset=v_offset, length=length))
+    return out
+
+
 def _movable(step) -> bool:
     """An inline chunk frame whose K and V one reference can name (equal, non-zero sizes)."""
     return (isinstance(step, Frame) and step.HasField("chunk") and not step.chunk.HasField("ref")
@@ -98,25 +112,27 @@ class FakeRegions:
         from there (checksums untouched: they are over the same bytes); other steps as they
         are."""
         payload = bytearray()
-        placed: dict[int, tuple[int, int, int]] = {}
+        placed: dict[int, tuple[int, int]] = {}  # step index -> (K offset, V offset)
         for at, step in enumerate(steps):
             if _movable(step):
                 k, v = step.chunk.k, step.chunk.v
-                placed[at] = (len(payload), len(payload) + len(k), len(k))
+                placed[at] = (len(payload), len(payload) + len(k))
                 payload += k
                 payload += v
         if not placed:
             return list(steps)
         name = self.write(bytes(payload))
         out = list(steps)
-        for at, (k_offset, v_offset, length) in placed.items():
-            frame = Frame()
-            frame.CopyFrom(steps[at])
-            frame.chunk.k, frame.chunk.v = b"", b""
-            frame.chunk.ref.CopyFrom(handoff_pb2.KvRegionRef(
-                region=name, k_offset=k_offset, v_offset=v_offset, length=length))
-            out[at] = frame
+        for at, (k_offset, v_offset) in placed.items():
+            out[at] = with_reference(steps[at], name, k_offset, v_offset)
         return out
+
+    def link(self, target: str) -> str:
+        """A new symbolic link of a well-formed name to the region named target."""
+        name = region_name()
+        os.symlink(target, os.path.join(self.directory, name))
+        self.names.append(name)
+        return name
 
     def remove_all(self) -> None:
         for name in self.names:

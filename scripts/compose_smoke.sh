@@ -24,7 +24,7 @@
 # Traffic: host loopback <-> the containers' bridge only; the containers reach nothing else.
 # Environment: PYTHON (host Python with this package; default .venv/bin/python), COMPOSE
 # (compose command), SMOKE_PLANE (the data plane decode's handoffs must use: shared-memory;
-# with PREFILL_NIXL=true, nixl), KVHANDOFF_BASE_IMAGE (kvhandoff-base:bookworm), SMOKE_IMAGE
+# with PREFILL_NIXL=true KVHANDOFF_DATA_PLANE=nixl, nixl), KVHANDOFF_BASE_IMAGE (kvhandoff-base:bookworm), SMOKE_IMAGE
 # (kvhandoff:smoke), SMOKE_REPORT (write the summary JSON there), SMOKE_CLEAN, SMOKE_BUILD_ONLY=1
 # (stop after the build: the cheap part), SMOKE_MIN_FREE_GB (8: refuse to build with less free).
 set -euo pipefail
@@ -81,7 +81,7 @@ cleanup() {
     fi
     if [[ "${SMOKE_CLEAN:-}" == all ]]; then
         docker image rm -f "$image" "$build_image" >/dev/null 2>&1
-        docker image prune -f --filter label=org.kvhandoff.stage=build >/dev/null 2>&1
+        docker image prune -f --filter label=org.kvhandoff.stage >/dev/null 2>&1
         if [[ -n "$made_base" ]]; then docker image rm -f "$base" >/dev/null 2>&1; fi
         if [[ -n "$made_wheels" ]]; then
             find wheels -maxdepth 1 \( -name '*.whl' -o -name requirements.txt -o -name .stamp \) \
@@ -162,9 +162,9 @@ for target in build final; do
 done
 timings[build]=$(since "$t")
 # What this build superseded is unreachable now: remove it, or every run leaves 5 GB behind.
+current=" $(docker image inspect -f '{{.Id}}' "$image" "$build_image" | tr '\n' ' ')"
 for old in "$previous" "$previous_build"; do
-    if [[ -n "$old" && "$old" != "$(docker image inspect -f '{{.Id}}' "$image")" \
-          && "$old" != "$(docker image inspect -f '{{.Id}}' "$build_image")" ]]; then
+    if [[ -n "$old" && "$current" != *" $old "* ]]; then
         docker image rm "$old" >/dev/null 2>&1 || say "kept superseded image $old (still in use)"
     fi
 done

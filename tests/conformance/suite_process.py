@@ -17,17 +17,15 @@ SUITE_TIMEOUT = 600
 # the decode under test, for every decode suite run here
 DECODE_FLAGS = ["--model", "demo", "--pool-tokens", "1024", "--max-context-tokens", "512",
                 "--max-chunk-bytes", "16384"]
+# a prefill whose pool (256) is below its window (512), so every prefill case applies
+PREFILL_FLAGS = ["--model", "demo", "--pool-tokens", "256", "--max-context-tokens", "512",
+                 "--allow-context-beyond-pool"]
 
 
 def shared_memory_decode_flags(shm_dir: Path) -> list[str]:
     """The decode under test on the SHARED_MEMORY plane of a reference prefill on shm_dir (the
     suite then needs `--shm-dir shm_dir` too)."""
     return ["--data-plane", "shared-memory", "--shm-dir", str(shm_dir)]
-
-
-# a prefill whose pool (256) is below its window (512), so every prefill case applies
-PREFILL_FLAGS = ["--model", "demo", "--pool-tokens", "256", "--max-context-tokens", "512",
-                 "--allow-context-beyond-pool"]
 
 
 @dataclass(frozen=True)
