@@ -23,7 +23,7 @@ SHARED_MEMORY = "shared-memory"
 NIXL = "nixl"
 # auto's order. On one host shared memory comes first: in both `kvhandoff bench transfer` runs
 # after stop 12's page-order fix it moved 1.11 and 1.01 GB/s at 64 MiB, 1.29 and 1.41 at 1 GiB,
-# against NIXL's 0.99 and 0.91, 1.26 and 1.33 (docs/notes/stop12), with no pinned buffers and
+# against NIXL's 0.99 and 0.91, 1.26 and 1.33 (docs/benchmarks.md), with no pinned buffers and
 # no agent; NIXL serves where shared memory cannot (another host).
 PREFERENCE = (SHARED_MEMORY, NIXL, INLINE)
 TO_PROTO = {INLINE: handoff_pb2.DATA_PLANE_INLINE,
