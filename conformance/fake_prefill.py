@@ -44,6 +44,19 @@ class Exchange:
     cancelled_at: float | None = None  # time.monotonic() when the cancellation arrived
     error: str = ""  # set when the fake could not play its script (e.g. the reference failed)
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    ended_itself: bool = False  # the handler played its whole script, or failed the call itself
+
+
+def call_ended(exchange: Exchange, context) -> None:
+    """The call's done callback, run however the call ended. A call the handler did not end
+    itself, before its deadline, was cancelled by decode: counted here, not on CancelledError,
+    because a cancel that lands while gRPC writes a frame never reaches the handler as one (the
+    generator is closed at its yield), and grpc.aio's context.cancelled() stays False."""
+    remaining = context.time_remaining()
+    past_deadline = remaining is not None and remaining <= 0
+    if not exchange.ended_itself and not past_deadline and not exchange.cancelled:
+        exchange.cancelled, exchange.cancelled_at = True, time.monotonic()
+    exchange.done.set()
 
 
 def passthrough(i: ScriptInput) -> list:
@@ -137,6 +150,7 @@ class FakePrefill:
     async def _prefill(self, request: handoff_pb2.PrefillRequest, context):
         exchange = Exchange(request)
         self.exchanges.append(exchange)
+        context.add_done_callback(lambda ended: call_ended(exchange, ended))
         script = self.script
         self.regions.remove_all()  # the last call's: decode is done with them
         shared_memory = request.data_plane == handoff_pb2.DATA_PLANE_SHARED_MEMORY
@@ -156,19 +170,22 @@ class FakePrefill:
                 exchange.error = (f"could not build the scripted handoff from the reference "
                                   f"({received.kinds()[:4]}, {received.outcome.describe()}): "
                                   f"{type(exc).__name__}: {exc}")
+                exchange.ended_itself = True
                 await context.abort(grpc.StatusCode.UNAVAILABLE, exchange.error)
                 return
             for step in steps:
                 if isinstance(step, Sleep):
                     await asyncio.sleep(step.seconds)
                 elif isinstance(step, Abort):
+                    exchange.ended_itself = True
                     await context.abort_with_status(error_status(step))
                     return
                 else:
                     exchange.sent.append(step)
                     yield step
-        except asyncio.CancelledError:
-            exchange.cancelled, exchange.cancelled_at = True, time.monotonic()
+            exchange.ended_itself = True
+        except Exception:  # the reference failed, or the fake aborted the call itself
+            exchange.ended_itself = True
             raise
         finally:
             exchange.done.set()
