@@ -8,6 +8,7 @@ nothing heavy: `kvhandoff generate` and `kvhandoff health` must start without to
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 UINT32_MAX = 2**32 - 1
@@ -47,6 +48,32 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text} must be > 0 seconds")
+    return value
+
+
+def _number(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not {what}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """A finite number >= 0 (temperature)."""
+    value = _number(text, "a number >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in [0, 1] (top_p: 0 and 1 both mean no cut, as in the protocol)."""
+    value = _number(text, "a number in [0, 1]")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a number in [0, 1]")
     return value
 
 

@@ -6,14 +6,15 @@ import argparse
 import asyncio
 import json
 import sys
-from pathlib import Path
 
 import grpc
 
 from common.errors import error_reason
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
 from common.server.wait import wait_serving
-from kvhandoff_cli.arguments import HelpFormatter, count, positive_seconds, seed, target, token_ids
+from kvhandoff_cli.arguments import (HelpFormatter, count, non_negative, positive_seconds,
+                                     probability, seed, target, token_ids)
+from kvhandoff_cli.client_tls import TlsFileError, explain_unreachable, read_pem
 
 FINISH_NAMES = {generate_pb2.FINISH_REASON_STOP: "stop",
                 generate_pb2.FINISH_REASON_LENGTH: "length"}
@@ -46,9 +47,40 @@ def _chat_messages(args: argparse.Namespace) -> list[tuple[str, str]]:
     return ([("system", system)] if system else []) + [("user", user)]
 
 
-async def _stream(args: argparse.Namespace) -> int:
-    if args.tls_ca:
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(args.tls_ca).read_bytes())
+class Output:
+    """Where the stream and its errors go: text, or with --json one JSON object per line
+    (an error too: {"error": {"code", "message", "reason"}}, on stdout after the tokens)."""
+
+    def __init__(self, json_lines: bool) -> None:
+        self.json = json_lines
+        self.mid_line = False  # text tokens printed without a newline yet
+
+    def text(self, piece: str) -> None:
+        print(piece, end="", flush=True)
+        self.mid_line = self.mid_line or bool(piece)
+
+    def error(self, message: str, code: str = "", reason: str = "") -> None:
+        if self.json:
+            print(json.dumps({"error": {"code": code, "message": message, "reason": reason}}),
+                  flush=True)
+            return
+        if self.mid_line:  # end the streamed text's line, so the error is a line of its own
+            print(flush=True)
+            self.mid_line = False
+        prefix = f"error: {code}: " if code else "error: "
+        print(prefix + message + (f" (reason {reason})" if reason else ""), file=sys.stderr,
+              flush=True)
+
+
+def _credentials(args: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    if not args.tls_ca:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=read_pem(args.tls_ca, "--tls-ca"))
+
+
+async def _stream(args: argparse.Namespace, out: Output) -> int:
+    creds = _credentials(args)
+    if creds is not None:
         channel = grpc.aio.secure_channel(args.target, creds)
     else:
         channel = grpc.aio.insecure_channel(args.target)
@@ -64,27 +96,31 @@ async def _stream(args: argparse.Namespace) -> int:
                     print(json.dumps({"token_id": response.token.token_id,
                                       "text": response.token.text}), flush=True)
                 else:
-                    print(response.token.text, end="", flush=True)
+                    out.text(response.token.text)
             else:
                 done = response.finished
                 if done.text:  # the tail held back until the end
-                    print(json.dumps({"text": done.text}) if args.json else done.text,
-                          end="\n" if args.json else "", flush=True)
+                    if args.json:
+                        print(json.dumps({"text": done.text}), flush=True)
+                    else:
+                        out.text(done.text)
                 summary = {"token_ids": token_ids, "finish_reason": FINISH_NAMES.get(
                     done.finish_reason, "unspecified"), "prompt_tokens": done.usage.prompt_tokens,
                     "completion_tokens": done.usage.completion_tokens,
                     "request_id": done.request_id}
                 print(json.dumps(summary) if args.json else "", flush=True)
+                out.mid_line = False
         return 0
     except grpc.aio.AioRpcError as err:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED and await _is_prefill(channel):
-            print(f"error: {args.target} is a kvhandoff prefill (it serves HandoffService), not "
-                  f"a decode; point --target at the decode service (port 50051 by default)",
-                  file=sys.stderr)
+            out.error(f"{args.target} is a kvhandoff prefill (it serves HandoffService), not a "
+                      f"decode; point --target at the decode service (port 50051 by default)",
+                      err.code().name)
             return 1
-        reason = error_reason(err)
-        print(f"\nerror: {err.code().name}: {err.details()}"
-              + (f" (reason {reason})" if reason else ""), file=sys.stderr)
+        details = err.details() or ""
+        if err.code() == grpc.StatusCode.UNAVAILABLE:
+            details = explain_unreachable(details, args.target, args.tls_ca) or details
+        out.error(details, err.code().name, error_reason(err) or "")
         return 1
     finally:
         await channel.close()
@@ -116,8 +152,9 @@ def parser() -> argparse.ArgumentParser:
                    help="decode address HOST:PORT")
     p.add_argument("--max-tokens", type=count, default=0,
                    help="tokens to generate at most (0: the server's --default-max-tokens)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    p.add_argument("--temperature", type=non_negative, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=probability, default=1.0,
+                   help="nucleus sampling mass in [0, 1] (0 and 1: no cut)")
     p.add_argument("--top-k", type=count, default=0, help="sample from the k likeliest (0: all)")
     p.add_argument("--seed", type=seed, default=None,
                    help="sampling seed, for repeatable samples (none: the server picks one)")
@@ -151,17 +188,26 @@ def generate(argv: list[str]) -> int:
         p.error("give one of PROMPT, --token-ids or --user, not several")
     if args.system is not None and not (args.chat or args.user is not None):
         p.error("--system needs --chat or --user")
+    out = Output(args.json)
     try:
+        if args.tls_ca:
+            read_pem(args.tls_ca, "--tls-ca")  # a bad file is refused before any wait
         if args.wait > 0:
-            creds = (grpc.ssl_channel_credentials(Path(args.tls_ca).read_bytes())
-                     if args.tls_ca else None)
             try:
-                wait_serving(args.target, args.wait, credentials=creds)
+                wait_serving(args.target, args.wait, credentials=_credentials(args))
             except TimeoutError as err:
-                print(f"error: {err}", file=sys.stderr)
+                out.error(str(err), "UNAVAILABLE")
                 return 1
-        return asyncio.run(_stream(args))
+        return asyncio.run(_stream(args, out))
+    except TlsFileError as err:  # a usage error, said like argparse's
+        if args.json:
+            out.error(str(err), "INVALID_ARGUMENT")
+        else:
+            print(f"kvhandoff generate: error: {err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # Ctrl-C: the call is cancelled, which the server logs and counts
-        print("\ncancelled", file=sys.stderr, flush=True)
+        if out.mid_line:
+            print(flush=True)
+        print("cancelled", file=sys.stderr, flush=True)
         return 130
 

@@ -3,20 +3,25 @@ grpc.health.v1 Check, for healthchecks.
 
 Exit status 0 when the server answers SERVING, 1 for anything else (NOT_SERVING, NOT_FOUND for
 a service the server does not know, UNREACHABLE when nothing answers within --timeout), 2 for
-bad arguments. Prints one line saying which. Imports only grpc, never torch, so a container
-healthcheck costs a fraction of a second.
+bad arguments (a TLS file that is missing or not PEM included). Prints one line saying which,
+and for UNREACHABLE what to change when gRPC said why. Imports only grpc, never torch, so a
+container healthcheck costs a fraction of a second.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+if __name__ == "__main__":  # a healthcheck's output is its one line: no gRPC core log lines
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
-from kvhandoff_cli.arguments import HelpFormatter, positive_seconds, target
+import grpc  # noqa: E402 (after the environment gRPC reads when it loads)
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from kvhandoff_cli.arguments import HelpFormatter, positive_seconds, target  # noqa: E402
+from kvhandoff_cli.client_tls import TlsFileError, explain_unreachable, read_pem  # noqa: E402
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -25,9 +30,9 @@ def _channel(target: str, args: argparse.Namespace) -> grpc.Channel:
     if not (args.tls_ca or args.tls_cert):
         return grpc.insecure_channel(target)
     creds = grpc.ssl_channel_credentials(
-        root_certificates=Path(args.tls_ca).read_bytes() if args.tls_ca else None,
-        private_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
-        certificate_chain=Path(args.tls_cert).read_bytes() if args.tls_cert else None)
+        root_certificates=read_pem(args.tls_ca, "--tls-ca") if args.tls_ca else None,
+        private_key=read_pem(args.tls_key, "--tls-key") if args.tls_key else None,
+        certificate_chain=read_pem(args.tls_cert, "--tls-cert") if args.tls_cert else None)
     options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
     return grpc.secure_channel(target, creds, options)
 
@@ -35,7 +40,9 @@ def _channel(target: str, args: argparse.Namespace) -> grpc.Channel:
 def check(target: str, service: str = "", timeout: float = 3.0,
           args: argparse.Namespace | None = None) -> str:
     """The health status name of `service` at target; NOT_FOUND when the server answered that
-    it does not know the service; otherwise 'UNREACHABLE (<code>)'."""
+    it does not know the service; otherwise 'UNREACHABLE (<code>)', followed by what to
+    change when gRPC's details say why (a TLS handshake that failed, a refused connection).
+    Raises TlsFileError for a TLS file that is missing or not PEM."""
     args = args or argparse.Namespace(tls_ca="", tls_cert="", tls_key="", server_name="")
     with _channel(target, args) as channel:
         try:
@@ -45,7 +52,9 @@ def check(target: str, service: str = "", timeout: float = 3.0,
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:  # the server answered: no such service
                 return "NOT_FOUND"
-            return f"UNREACHABLE ({err.code().name})"
+            why = (explain_unreachable(err.details() or "", target, args.tls_ca)
+                   if err.code() == grpc.StatusCode.UNAVAILABLE else None)
+            return f"UNREACHABLE ({err.code().name})" + (f": {why}" if why else "")
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
@@ -65,7 +74,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m kvhandoff_cli.hea
     parser.add_argument("--tls-key", default="", help="PEM key for --tls-cert")
     parser.add_argument("--server-name", default="", help="expected name in the server's cert")
     args = parser.parse_args(argv)
-    status = check(args.target, args.service, args.timeout, args)
+    if args.tls_key and not args.tls_cert or args.tls_cert and not args.tls_key:
+        parser.error("--tls-cert and --tls-key go together (the client certificate and its key)")
+    try:
+        status = check(args.target, args.service, args.timeout, args)
+    except TlsFileError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
     print(f"{args.target} {args.service or '(server)'} {status}", flush=True)
     return 0 if status == "SERVING" else 1
 

@@ -2,6 +2,9 @@
 
 Every command module is imported only when it runs, so `kvhandoff generate` and `kvhandoff
 health` start without importing torch (the service settings import it through common.config).
+gRPC's C core writes log lines of its own to stderr (a TLS handshake that failed, a CA file it
+cannot load) ahead of the one line a command prints; they stay off unless `--verbose` is given
+or GRPC_VERBOSITY is set, so it is set before anything imports grpc.
 """
 
 from __future__ import annotations
@@ -56,13 +59,18 @@ def run_service(role: str, argv: list[str]) -> int:
     try:
         config = build_config(ns, role)
     except ValueError as err:
-        parser.error(str(err))
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     from common.server.ports import PortUnavailable
 
     try:
         _check_ports(config.service)
     except PortUnavailable as err:
         print(f"kvhandoff {role}: refusing to start: {err}", file=sys.stderr)
+        return 2
+    from kvhandoff_cli.device_check import device_problem
+
+    if problem := device_problem(config.service.device):
+        print(f"kvhandoff {role}: refusing to start: {problem}", file=sys.stderr)
         return 2
     _prepare_kernels_env(config.service.kernels, config.service.device)
     from common.capacity import CapacityError
@@ -92,7 +100,11 @@ def config_show(argv: list[str]) -> int:
     role = parser.parse_known_args(argv)[0].role
     service_parser = _service_parser(role)
     ns = apply_sources(service_parser, argv[1:], role)
-    print(json.dumps(redacted(dataclasses.asdict(build_config(ns, role))), indent=2))
+    try:
+        config = build_config(ns, role)
+    except ValueError as err:
+        service_parser.exit(2, f"{service_parser.prog}: error: {err}\n")
+    print(json.dumps(redacted(dataclasses.asdict(config)), indent=2))
     return 0
 
 
@@ -101,11 +113,15 @@ COMMANDS = {
     "prefill": "Run the prefill service.",
     "decode": "Run the decode service (--prefill HOST:PORT).",
     "generate": "Stream a generation from a decode service.",
-    "config": "config show ROLE: print the effective configuration.",
+    "config": "config show prefill|decode: print the effective configuration.",
     "health": "health HOST:PORT: exit 0 when the service's grpc.health.v1 says SERVING.",
     "conformance": "conformance prefill|decode: check an implementation of kvhandoff.v1.",
-    "bench": "bench transfer|serve|ttft|decode|scrub: benchmarks.",
+    "bench": "bench BENCHMARK: benchmarks (kvhandoff bench --help lists them).",
 }
+CONFIG_USAGE = "usage: kvhandoff config show prefill|decode [flags]"
+CONFIG_TEXT = ("Print the effective configuration of a role as JSON, after the file, the "
+               "environment and the flags, without starting anything (kvhandoff config show "
+               "prefill --help lists the flags).")
 
 
 def version() -> str:
@@ -119,21 +135,36 @@ def version() -> str:
 
 
 def usage() -> str:
-    lines = [f"  {name:<12} {text}" for name, text in COMMANDS.items()]
-    return ("usage: kvhandoff COMMAND [options]   (kvhandoff COMMAND --help)\n"
-            "       kvhandoff --version\n\ncommands:\n" + "\n".join(lines))
+    from bench.cli import BENCHMARKS  # names only: the benchmarks load when one runs
+
+    texts = {**COMMANDS, "bench": f"bench {'|'.join(BENCHMARKS)}: benchmarks."}
+    lines = [f"  {name:<12} {text}" for name, text in texts.items()]
+    return ("usage: kvhandoff [--verbose] COMMAND [options]   (kvhandoff COMMAND --help)\n"
+            "       kvhandoff --version\n\ncommands:\n" + "\n".join(lines)
+            + "\n\n--verbose (anywhere on the line) keeps gRPC's own log lines on stderr.")
+
+
+def quiet_grpc(argv: list[str]) -> list[str]:
+    """argv without --verbose; without it, gRPC's C-core logging is turned off for this
+    process and the services it starts (unless GRPC_VERBOSITY is already set)."""
+    if "--verbose" in argv:
+        return [arg for arg in argv if arg != "--verbose"]
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = quiet_grpc(list(sys.argv[1:] if argv is None else argv))
     if argv and argv[0] in ("-V", "--version"):
         print(f"kvhandoff {version()}")
         return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"kvhandoff: unknown command {argv[0]!r}\n", file=sys.stderr)
+            print(f"kvhandoff: unknown command {argv[0]!r}; one of: {', '.join(COMMANDS)} "
+                  f"(kvhandoff --help)", file=sys.stderr)
+            return 2
         print(usage())
-        return 0 if argv and argv[0] in ("-h", "--help") else (2 if argv else 0)
+        return 0
     command, rest = argv[0], argv[1:]
     if command in ("prefill", "decode"):
         return run_service(command, rest)
@@ -146,8 +177,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return generate(rest)
     if command == "config":
+        if rest and rest[0] in ("-h", "--help"):
+            print(f"{CONFIG_USAGE}\n\n{CONFIG_TEXT}")
+            return 0
         if not rest or rest[0] != "show":
-            print("usage: kvhandoff config show prefill|decode [flags]", file=sys.stderr)
+            given = f"unknown subcommand {rest[0]!r}" if rest else "no subcommand"
+            print(f"kvhandoff config: {given}; {CONFIG_USAGE.removeprefix('usage: ')}",
+                  file=sys.stderr)
             return 2
         return config_show(rest[1:])
     if command == "health":
