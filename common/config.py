@@ -84,6 +84,7 @@ class DecodeConfig:
     max_chunk_bytes: int = 4 << 20
     prefill_info_interval_s: float = 5.0
     api_token: str = ""
+    api_tokens: str = ""  # a file of `TENANT TOKEN` lines (common/server/tenants.py)
     api_tls_cert: str = ""
     api_tls_key: str = ""
     local_prefill: bool = False

@@ -1,19 +1,25 @@
 """The prefix-cache scope decode sends prefill (SPEC.md D-80): who may share cached prompt KV.
 
-Identity: decode is the authenticator. With --api-token, the identity of a call is the SHA-256
-of the bearer token that authenticated it (the interceptor has already refused every other
-token), so everyone holding one token is one tenant; without --api-token there is no identity,
-and an `authorization` header a client sends is ignored (nobody checked it). The scope is
-SHA-256 over a domain tag, the identity and the client's `cache_salt`, each length-prefixed; a
-call with neither an identity nor a salt gets the empty scope, which prefill never shares. A
-client cannot name another tenant's scope without that tenant's token and salt, and a scope
-never comes from the client as it is.
+Identity: decode is the authenticator. When it checks tokens (--api-tokens FILE, or the single
+--api-token as the tenant "default"), the identity of a call is the name of the tenant whose
+token the bearer-token interceptor admitted it with (common.server.auth.call_tenant), as UTF-8:
+every token of one tenant is one identity, and two tenants are two, whatever their salts.
+Without tokens there is no identity, and an `authorization` header a client sends is ignored
+(nobody checked it). The scope is SHA-256 over a domain tag, the identity and the client's
+`cache_salt`, each length-prefixed; a call with neither an identity nor a salt gets the empty
+scope, which prefill never shares. A client cannot name another tenant's scope without one of
+that tenant's tokens and its salt, and a scope never comes from the client as it is.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+
+import grpc
+
+from common.errors import ServiceError
+from common.server.auth import call_tenant
 
 DOMAIN = b"kvhandoff.cache-scope.v1"
 
@@ -29,14 +35,20 @@ def cache_scope(identity: bytes, salt: str) -> bytes:
     return h.digest()
 
 
-def bearer_identity(metadata) -> bytes:
-    """The identity of a call the bearer-token interceptor let through: SHA-256 of its token.
-    Only for servers that check tokens (`identity_of_calls`)."""
-    sent = [value for key, value in (metadata or ()) if key == "authorization"]
-    if len(sent) != 1:
-        return b""
-    value = sent[0] if isinstance(sent[0], bytes) else sent[0].encode()
-    return hashlib.sha256(value).digest()
+def tenant_identity(tenant: str) -> bytes:
+    """The identity of a call admitted as `tenant`: the name itself (never the token)."""
+    return tenant.encode("utf-8")
+
+
+def admitted_identity(context) -> bytes:
+    """The identity of the running call on a server that checks tokens. A call that reached
+    the servicer without a tenant (which the interceptor never lets happen) is refused rather
+    than given the identity of nobody."""
+    tenant = call_tenant()
+    if tenant is None:
+        raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "UNAUTHENTICATED",
+                           "the call was not admitted as any tenant")
+    return tenant_identity(tenant)
 
 
 def no_identity(context) -> bytes:
@@ -44,8 +56,6 @@ def no_identity(context) -> bytes:
 
 
 def identity_of_calls(checks_tokens: bool) -> Callable[[object], bytes]:
-    """context -> identity of the call: the bearer token's hash when decode checks tokens,
-    else nothing."""
-    if not checks_tokens:
-        return no_identity
-    return lambda context: bearer_identity(context.invocation_metadata())
+    """context -> identity of the call: its tenant's when decode checks tokens, else
+    nothing."""
+    return admitted_identity if checks_tokens else no_identity

@@ -16,7 +16,8 @@ from common.handoff.planes import INLINE, NIXL, SHARED_MEMORY, offered
 from common.log import make_logger
 from common.metrics import ServiceMetrics, capacity_gauges
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc, stats_pb2, stats_pb2_grpc
-from common.server.auth import BearerTokenInterceptor
+from common.server.tenant_auth import TenantAuth
+from common.server.tenants import TenantTokens
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
 from common.server.loopback import is_loopback_host, is_loopback_target
@@ -49,6 +50,7 @@ class RunningDecode:
     handshake: asyncio.Task
     metrics_port: int
     log: object
+    auth: TenantAuth | None = None  # None: the client API checks no tokens
 
 
 def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits | None
@@ -167,6 +169,8 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                              limits=capacity_gauges(
                                  runtime.capacity,
                                  lambda: state.limits.prefill_max_prompt if state.limits else 0))
+    tokens = TenantTokens.from_settings(config.api_token, config.api_tokens)
+    auth = TenantAuth(tokens, metrics.registry, "decode", svc.model, log) if tokens else None
     nixl = nixl_receivers(config, client, engine, counters, log)  # {} or {NIXL: receiver}
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
@@ -177,7 +181,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
              SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}
             | nixl, state,
             fallback=config.data_plane == "auto", counters=counters),
-        identity_of_calls(bool(config.api_token)))
+        identity_of_calls(auth is not None))
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,
         lambda: state.limits.prefill_max_prompt if state.limits else 0, refusals, counters,
@@ -193,13 +197,13 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                     "a prefill off this machine without TLS: prompts and KV cross the network in "
                     "clear text; configure --tls-cert/--tls-key/--tls-ca")
     public = not is_loopback_host(svc.host)
-    if public and config.api_token and not config.api_tls_cert:
-        log.warning("api_token_without_tls", message="--api-token is set but the client API has "
+    if public and auth and not config.api_tls_cert:
+        log.warning("api_token_without_tls", message="API tokens are set but the client API has "
                     "no TLS: tokens travel in cleartext; set --api-tls-cert/--api-tls-key")
-    elif public and not config.api_token and not config.api_tls_cert:
+    elif public and not auth and not config.api_tls_cert:
         log.warning("public_api_unauthenticated", message="the client API listens on a "
                     "non-loopback address with neither TLS nor a bearer token")
-    interceptors = [BearerTokenInterceptor(config.api_token)] if config.api_token else []
+    interceptors = [auth.interceptor] if auth else []
     api_tls = TlsFiles(config.api_tls_cert, config.api_tls_key) if config.api_tls_cert else None
     server, port, health = await create_server(register, svc.host, svc.port, api_tls, 4 << 20,
                                                interceptors)
@@ -211,12 +215,14 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
         else handshake(config, runtime, client, state, health, log, NIXL in nixl))
     log.info("listening", role="decode", address=f"{svc.host}:{port}", metrics_port=metrics_port,
              prefill=config.prefill_target)
-    return RunningDecode(server, port, health, engine, client, task, metrics_port, log)
+    return RunningDecode(server, port, health, engine, client, task, metrics_port, log, auth)
 
 
 def serve(config: DecodeConfig, port_file: Path | None = None) -> None:
     async def main() -> None:
         running = await start_decode(config)
+        if running.auth is not None:
+            running.auth.reload_on_sighup()  # --api-tokens FILE: SIGHUP reads it again
         if port_file is not None:
             port_file.write_text(str(running.port))
 

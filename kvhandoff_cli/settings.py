@@ -87,6 +87,8 @@ ROLE_HELP = {
     "prefill_info_interval_s": "seconds between decode's checks of prefill's model, layout "
                                "and limits",
     "api_token": "bearer token clients must send (empty: none; redacted by config show)",
+    "api_tokens": "file of 'TENANT TOKEN' lines: the tokens clients may send and the "
+                  "tenant each names (reloaded on SIGHUP; not with --api-token)",
     "api_tls_cert": "PEM certificate for the client API (TLS)",
     "api_tls_key": "PEM key for --api-tls-cert",
     "local_prefill": "compute prompts' KV in this process instead of asking prefill "
@@ -276,6 +278,17 @@ def apply_sources(parser: argparse.ArgumentParser, argv: list[str],
         parser.exit(2, f"{parser.prog}: error: {err}\n")
 
 
+def _tokens_file_problems(path: str, where: str) -> list[str]:
+    """The tokens file's refusal, if any (it names the line, never a token)."""
+    from common.server.tenants import TenantsFileError, read_token_entries
+
+    try:
+        read_token_entries(path)
+    except TenantsFileError as err:
+        return [f"{where}: {err}"]
+    return []
+
+
 def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None = None) -> None:
     """Range, choice and consistency checks on merged settings; raises SettingsError listing
     every problem, each with the source of the value."""
@@ -301,6 +314,12 @@ def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None
     for name, needs in REQUIRES:
         if values.get(name) and not values.get(needs):
             problems.append(f"{label(name)}: {name} is set but {needs} is not; set both")
+    if values.get("api_token") and values.get("api_tokens"):
+        problems.append(f"{label('api_tokens')}: api_tokens and api_token are both set; "
+                        "use one (the single token is the line 'default TOKEN' in the "
+                        "file)")
+    elif values.get("api_tokens"):
+        problems.extend(_tokens_file_problems(str(values["api_tokens"]), label("api_tokens")))
     if str(values.get("model", "x")).strip() == "":
         problems.append(f"{label('model')}: model must be 'demo' or a checkpoint directory")
     if problems:

@@ -58,10 +58,10 @@ def _failed(child: ChildStderr, proc: subprocess.Popen, err: Exception) -> str:
     return f"{child.role} exited with status {proc.returncode} before serving: {child.why()}"
 
 
-def _pool_line(address: str) -> str:
+def _pool_line(address: str, metadata=()) -> str:
     with grpc.insecure_channel(address) as channel:
         pool = stats_pb2_grpc.StatsServiceStub(channel).GetStats(
-            stats_pb2.GetStatsRequest(), timeout=5).pool
+            stats_pb2.GetStatsRequest(), timeout=5, metadata=metadata).pool
     return f"{pool.tokens_total} tokens"
 
 
@@ -123,6 +123,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill keeps prompt pages for later requests of the same cache scope "
                         "(identity and cache_salt; none shares with nobody)")
+    p.add_argument("--api-tokens", type=Path, default=None, metavar="FILE",
+                   help="decode's client API takes only the tokens of this file of 'TENANT "
+                        "TOKEN' lines, each naming its tenant; SIGHUP to up reloads it")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds each service may take to start")
     return p
@@ -139,6 +142,14 @@ def _metrics_ports(port: int) -> tuple[int, int]:
 
 def up(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    from common.server.tenants import TenantsFileError, read_token_entries
+
+    try:  # up's own calls to decode's StatsService need a token of the file
+        bearer = (("authorization", f"Bearer {read_token_entries(args.api_tokens)[0].token}"),
+                  ) if args.api_tokens else ()
+    except TenantsFileError as err:
+        print(f"kvhandoff up: refusing to start: {err}", file=sys.stderr)
+        return 2
     prefill_metrics, decode_metrics = _metrics_ports(args.metrics_port)
     try:
         for port, flag in ((args.port, "--port"), (args.prefill_port, "--prefill-port"),
@@ -173,7 +184,15 @@ def up(argv: list[str]) -> int:
     def watch(role: str):
         return lambda proc: children.append(ChildStderr(role, proc))
 
+    decode_ready = False  # before that, decode has no SIGHUP handler yet: it would exit
+
+    def reload_tokens(*_):
+        for child in children:
+            if decode_ready and child.role == "decode" and child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGHUP)
+
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, reload_tokens)
     signal.signal(signal.SIGINT, stop)
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -190,6 +209,8 @@ def up(argv: list[str]) -> int:
                 "decode", [*cli, "decode", *common, "--port", str(args.port), "--prefill",
                            prefill_address, "--pool-tokens", str(args.decode_pool_tokens),
                            "--data-plane", args.data_plane, "--metrics-port", str(decode_metrics),
+                           *(["--api-tokens", str(args.api_tokens.resolve())]
+                             if args.api_tokens else []),
                            *shlex.split(args.decode_args)],
                 Path(tmp) / "decode.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("decode")))
@@ -198,12 +219,14 @@ def up(argv: list[str]) -> int:
                 wait_serving(service.address, args.start_timeout, proc=service.proc)
             with grpc.insecure_channel(address) as channel:
                 limit = stats_pb2_grpc.StatsServiceStub(channel).GetStats(
-                    stats_pb2.GetStatsRequest(), timeout=5).pool.max_prompt_tokens
+                    stats_pb2.GetStatsRequest(), timeout=5,
+                    metadata=bearer).pool.max_prompt_tokens
             print(f"ready: kvhandoff serving at {address} (prefill at {prefill_address}); "
                   f"max prompt {limit} tokens; prefill pool {_pool_line(prefill_address)}, "
-                  f"decode pool {_pool_line(address)}; data plane "
+                  f"decode pool {_pool_line(address, bearer)}; data plane "
                   f"{_plane_line(prefill_address, args.data_plane)}"
                   + (f"; {DEMO_NOTE}" if args.model == "demo" else ""), flush=True)
+            decode_ready = True
             procs = [child.proc for child in children]
             while not stopping and all(proc.poll() is None for proc in procs):
                 time.sleep(0.2)

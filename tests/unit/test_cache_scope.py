@@ -3,7 +3,11 @@ never the salt as sent; empty with neither."""
 
 from __future__ import annotations
 
-from decode_svc.cache_scope import bearer_identity, cache_scope, identity_of_calls
+import grpc
+import pytest
+
+from common.errors import ServiceError
+from decode_svc.cache_scope import cache_scope, identity_of_calls, tenant_identity
 
 
 def test_neither_identity_nor_salt_is_the_empty_scope():
@@ -11,8 +15,7 @@ def test_neither_identity_nor_salt_is_the_empty_scope():
 
 
 def test_scopes_differ_by_identity_and_by_salt():
-    alice, bob = bearer_identity([("authorization", "Bearer a")]), bearer_identity(
-        [("authorization", "Bearer b")])
+    alice, bob = tenant_identity("alice"), tenant_identity("bob")
     assert alice and bob and alice != bob
     scopes = {cache_scope(i, s) for i in (b"", alice, bob) for s in ("", "x", "y")} - {b""}
     assert len(scopes) == 8  # 3 identities x 3 salts, less the empty pair
@@ -25,13 +28,6 @@ def test_parts_are_length_prefixed():
     assert cache_scope(b"ab", "c") != cache_scope(b"a", "bc")
 
 
-def test_identity_needs_exactly_one_authorization_entry():
-    assert bearer_identity([]) == b""
-    assert bearer_identity([("authorization", "Bearer a"), ("authorization", "Bearer b")]) == b""
-    assert bearer_identity([("authorization", b"Bearer a")]) == bearer_identity(
-        [("authorization", "Bearer a")])
-
-
 class _Context:
     def invocation_metadata(self):
         return [("authorization", "Bearer a")]
@@ -39,5 +35,6 @@ class _Context:
 
 def test_calls_have_an_identity_only_where_tokens_are_checked():
     assert identity_of_calls(False)(_Context()) == b""  # an unchecked header is ignored
-    assert identity_of_calls(True)(_Context()) == bearer_identity(
-        [("authorization", "Bearer a")])
+    with pytest.raises(ServiceError) as err:  # tokens checked, yet no tenant admitted the call
+        identity_of_calls(True)(_Context())
+    assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
