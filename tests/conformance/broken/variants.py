@@ -12,6 +12,7 @@ from common.handoff.codec import chunk_frame
 from common.handoff.crc import payload_crc32c
 from common.handoff.verifier import ABORTED, HandoffVerifier
 from common.pb.kvhandoff.v1 import handoff_pb2
+from tests.conformance.broken.blind_spots import BLIND_SPOT_VARIANTS
 
 
 def _patch(cls: type, name: str, make: Callable) -> None:
@@ -185,14 +186,14 @@ def decode_skips_depth_check() -> None:
 
 def decode_streams_prefill_first_token() -> None:
     """D-48 broken: the checks run, but the commit's first_token_id is streamed."""
-    from decode_svc.servicer import GenerationServicer
+    from decode_svc.lifecycle import RequestLifecycle
 
     def make(original):
         async def _check_content(self, handoff, *args):
             await original(self, handoff, *args)
             return handoff.advisory_first_token
         return _check_content
-    _patch(GenerationServicer, "_check_content", make)
+    _patch(RequestLifecycle, "_check_content", make)
 
 
 def _patch_module(module, name: str, make: Callable) -> None:
@@ -202,29 +203,29 @@ def _patch_module(module, name: str, make: Callable) -> None:
     setattr(module, name, make(original))
 def decode_truncates_long_prompt() -> None:
     """D-28 broken: a prompt over the limits is cut to its last tokens and served."""
-    from decode_svc import servicer
+    from decode_svc import lifecycle  # the request path both front doors share
 
     def make(original):
         def validate_generate(ids, request, limits):
             keep = min(limits.context_window - 1, limits.prefill_max_prompt)
             return original(ids[-keep:], request, limits)
         return validate_generate
-    _patch(servicer, "validate_generate", make)
+    _patch(lifecycle, "validate_generate", make)
 
 
 def decode_passes_salt_as_scope() -> None:
     """D-80 broken: the client's cache_salt is sent as the cache_scope, as it came (a client
     that knows or guesses another tenant's salt shares its cache)."""
-    from decode_svc import servicer
+    from decode_svc import lifecycle  # the request path both front doors share
 
-    _patch(servicer, "cache_scope", lambda original: (
+    _patch(lifecycle, "cache_scope", lambda original: (
         lambda identity, salt: salt.encode()))
 
 
 def decode_forwards_prompt_head() -> None:
     """D-03 broken: a valid prompt longer than 64 tokens is forwarded (and served) as its first
     64 tokens; the handoff it gets back is consistent with what it sent."""
-    from decode_svc import servicer
+    from decode_svc import lifecycle  # the request path both front doors share
     from decode_svc.validation import ValidPrompt
 
     def make(original):
@@ -232,7 +233,7 @@ def decode_forwards_prompt_head() -> None:
             prompt = original(ids, request, limits)
             return ValidPrompt(prompt.token_ids[:64], prompt.max_tokens)
         return validate_generate
-    _patch(servicer, "validate_generate", make)
+    _patch(lifecycle, "validate_generate", make)
 
 
 def decode_accepts_empty_fingerprint() -> None:
@@ -489,6 +490,7 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "prefill_accepts_missing_version": ("prefill", prefill_accepts_missing_version),
     "prefill_layer0_everywhere": ("prefill", prefill_layer0_everywhere),
     "prefill_kv_of_another_prompt": ("prefill", prefill_kv_of_another_prompt),
+    **BLIND_SPOT_VARIANTS,
 }
 
 
