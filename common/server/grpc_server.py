@@ -58,13 +58,17 @@ class ServingState(health.aio.HealthServicer):
 
     Invariants: once draining, every status is NOT_SERVING for good (later sets are ignored,
     so a late warm-up or handshake cannot report SERVING) and every new work RPC is refused;
-    in_flight counts work RPCs (not health, reflection or stats) from start to end; all of it is
-    touched on the server's event loop only."""
+    in_flight counts work RPCs (not health, reflection or stats) from start to end, and _calls
+    holds their tasks; all of it is touched on the server's event loop only. A drain whose
+    grace ran out ends the calls still running with `shutdown_status`, not gRPC's bare
+    "Cancelling all calls"."""
 
     def __init__(self) -> None:
         super().__init__()
         self.draining = False
         self.in_flight = 0
+        self.cut_reason = ""  # set when a drain ends the calls still running: why
+        self._calls: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -75,14 +79,29 @@ class ServingState(health.aio.HealthServicer):
     def enter(self) -> None:
         self.in_flight += 1
         self._idle.clear()
+        if (task := asyncio.current_task()) is not None:
+            self._calls.add(task)
 
     def leave(self) -> None:
         self.in_flight -= 1
+        self._calls.discard(asyncio.current_task())
         if self.in_flight == 0:
             self._idle.set()
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
+
+    async def end_calls(self, reason: str, settle: float = 2.0) -> None:
+        """Cancels every work call still running; each answers UNAVAILABLE (DRAINING) with a
+        message naming reason, and frees what it held as any cancelled call does. Waits up
+        to settle seconds for them to end."""
+        self.cut_reason = reason
+        for task in list(self._calls):
+            task.cancel()
+        try:
+            await asyncio.wait_for(self.wait_idle(), settle)
+        except TimeoutError:
+            pass
 
 
 def draining_status() -> grpc.Status:
@@ -90,6 +109,13 @@ def draining_status() -> grpc.Status:
     return ServiceError(grpc.StatusCode.UNAVAILABLE, "DRAINING",
                         "the server is shutting down and takes no new requests; retry on "
                         "another replica").to_status()
+
+
+def shutdown_status(reason: str) -> grpc.Status:
+    """UNAVAILABLE (DRAINING) for a call that a shutdown ended before it finished."""
+    return ServiceError(grpc.StatusCode.UNAVAILABLE, "DRAINING",
+                        f"the server shut down before this request finished ({reason}); "
+                        f"retry on another replica").to_status()
 
 
 class DrainInterceptor(grpc.aio.ServerInterceptor):
@@ -122,6 +148,10 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for response in behavior(request, context):
                         yield response
+                except asyncio.CancelledError:
+                    if not state.cut_reason:
+                        raise  # the client went away: nobody to tell
+                    await context.abort_with_status(shutdown_status(state.cut_reason))
                 finally:
                     state.leave()
             return tracked_stream
@@ -134,6 +164,10 @@ class DrainInterceptor(grpc.aio.ServerInterceptor):
             state.enter()
             try:
                 return await behavior(request, context)
+            except asyncio.CancelledError:
+                if not state.cut_reason:
+                    raise
+                await context.abort_with_status(shutdown_status(state.cut_reason))
             finally:
                 state.leave()
         return tracked
@@ -211,11 +245,14 @@ async def drain(server: grpc.aio.Server, state: ServingState, grace: float,
     for task in pending:
         task.cancel()
     drained = state.in_flight == 0
+    forced = force is not None and force.is_set()
     if log is not None:
         log.info("drained" if drained else "drain_cut_short", in_flight=state.in_flight,
                  seconds=round(loop.time() - started, 3))
-    await server.stop(0 if force is not None and force.is_set() else
-                      max(0.0, grace - (loop.time() - started)))
+    if not drained:  # each call still running is told why it ends
+        await state.end_calls("a second stop signal" if forced else
+                              f"its {grace:g} s drain grace ran out")
+    await server.stop(0 if forced or not drained else max(0.0, grace - (loop.time() - started)))
     return drained
 
 
