@@ -91,5 +91,6 @@ class DecodeConfig:
     allow_protocol_1_0: bool = False
     content_checks: bool = True
     verify_depth_positions: int = 4
+    verify_full_fraction: float = 0.0  # share of handoffs decode recomputes in full (D-49)
     data_plane: str = "inline"  # inline, shared-memory, nixl, or auto (the fastest both offer)
     nixl_read_timeout_s: float = 5.0  # a NIXL READ of one chunk not done by then is refused

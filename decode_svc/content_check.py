@@ -12,6 +12,10 @@ KV of the prompt it sent.
    prefill sent for it;
 4. the first token is sampled from decode's own logits of the last position.
 
+With `full_fraction` F > 0, a fraction F of handoffs is also audited between checks 2 and 3
+(while the pages still hold exactly what arrived): decode recomputes the whole prompt and
+compares every layer at every position (decode_svc/full_audit.py, SPEC.md D-49).
+
 Differences are measured as max |received - recomputed| / rms(recomputed), per layer; the
 tolerances per dtype are in SPEC.md section 7.4, with the measurements that justify them.
 Invariants: reads and writes only the request's own pages, and only slots its handoff covered;
@@ -31,6 +35,7 @@ from common.handoff.reasons import HandoffRefused, refuse
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
+from decode_svc.full_audit import FullAudit
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ TOLERANCES: dict[torch.dtype, ContentTolerance] = {
 class ContentCheckConfig:
     enabled: bool = True
     depth_positions: int = 4  # random prompt positions recomputed besides the last one
+    full_fraction: float = 0.0  # share of handoffs audited in full (D-49); 0: none
 
 
 @dataclass(frozen=True)
@@ -103,9 +109,10 @@ def relative_error(received: torch.Tensor, recomputed: torch.Tensor) -> float:
 
 def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: list[int],
                   sampling: SamplingConfig, config: ContentCheckConfig,
-                  rng: random.Random) -> ContentVerdict:
-    """Runs checks 2-4 on a request whose handoff is fully written into its pages; returns the
-    verdict or raises HandoffRefused (KV_LAYER0_MISMATCH, KV_DEPTH_MISMATCH)."""
+                  rng: random.Random, audit: FullAudit | None = None) -> ContentVerdict:
+    """Runs checks 2-4 on a request whose handoff is fully written into its pages, and the
+    full audit when audit draws it; returns the verdict or raises HandoffRefused
+    (KV_LAYER0_MISMATCH, KV_DEPTH_MISMATCH)."""
     started = time.perf_counter()
     tolerance = TOLERANCES[pool.k.dtype]
     device = model.device
@@ -118,6 +125,8 @@ def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: l
         raise refuse("KV_LAYER0_MISMATCH", f"layer 0 K/V differ from decode's own computation "
                      f"of the prompt by {layer0:.3g} (tolerance {tolerance.layer0:g}): the KV "
                      "is not the KV of the prompt decode sent")
+    if audit is not None and audit.drawn():
+        audit.check(model, pool, request_id, table, ids, tolerance.depth)
     others = rng.sample(range(n - 1), min(config.depth_positions, n - 1))
     positions = [n - 1, *sorted(others)]
     depth, layer, logits = _depth_error(model, pool, pages, table, ids, positions)

@@ -34,6 +34,7 @@ from decode_svc.content_check import (ContentCheckConfig, FiniteTracker, check_c
 from decode_svc.engine_commands import (AfterWrites, Begin, Landed, Release, Reserve, Stop,
                                         Verify, Write, WriteBytes)
 from decode_svc.finite_bits import all_finite_bytes, all_finite_pieces
+from decode_svc.full_audit import FullAudit
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
 
 
@@ -48,6 +49,7 @@ class DecodeEngine:
         self.content_checks = content_checks or ContentCheckConfig()
         self._finite = FiniteTracker()
         self._rng = random.SystemRandom()  # the depth positions are drawn after the KV arrived
+        self._audit = FullAudit(self.content_checks.full_fraction, self._rng, counters, log)
         self.pool = pool
         self.max_batch = max_batch
         self.max_waiting = max_waiting
@@ -249,7 +251,7 @@ class DecodeEngine:
             return
         try:
             job.done(check_content(self.model, self.pool, request_id, job.token_ids,
-                                   job.sampling, self.content_checks, self._rng))
+                                   job.sampling, self.content_checks, self._rng, self._audit))
         except ServiceError as err:
             job.done(err)
         except Exception as exc:  # a check that cannot run refuses: fail closed

@@ -147,7 +147,8 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     runtime = build_runtime(svc, log)
     refusals, counters = Counters(), Counters()
     engine_class = LocalPrefillEngine if config.local_prefill else DecodeEngine
-    content = ContentCheckConfig(config.content_checks, config.verify_depth_positions)
+    content = ContentCheckConfig(config.content_checks, config.verify_depth_positions,
+                                 config.verify_full_fraction)
     engine = engine_class(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
                           log, counters, content)
     policy = HandoffPolicy(config.allow_protocol_1_0, content)

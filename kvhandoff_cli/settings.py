@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import tomllib
@@ -55,6 +56,9 @@ SERVICE_HELP = {
                       "finiteness); --no-content-checks is for benchmarks of their cost only",
     "verify_depth_positions": "random prompt positions decode recomputes through every layer, "
                               "besides the last one",
+    "verify_full_fraction": "share of handoffs (0 to 1, drawn unguessably per handoff) for which "
+                            "decode recomputes the whole prompt and compares every layer at every "
+                            "position (SPEC.md D-49); costs one prefill of the prompt on decode",
 }
 ROLE_HELP = {
     "shm_dir": "directory of the shared-memory regions (a tmpfs both services see)",
@@ -112,6 +116,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_batch": (1, None), "max_waiting": (0, None), "default_max_tokens": (1, None),
     "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),
     "prefill_info_interval_s": (0.01, None), "verify_depth_positions": (0, 1024),
+    "verify_full_fraction": (0, 1),
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
     "nixl_read_timeout_s": (0.001, None),
 }
@@ -175,7 +180,9 @@ def add_service_flags(parser: argparse.ArgumentParser, role: str) -> None:
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=f.default, help=f"{help_text} (default: %(default)s)")
         else:
-            kind = {"int": int, "float": float, "str": str}[str(f.type)]
+            # a float flag is converted in resolve, as the environment's values are: a bad one
+            # is then one line naming the flag, not argparse's usage text
+            kind = {"int": int, "float": str, "str": str}[str(f.type)]
             parser.add_argument(_flag(f.name), dest=f.name, type=kind,
                                 default=default_of(f, role),
                                 help=f"{help_text} (default: %(default)s)")
@@ -260,7 +267,10 @@ def resolve(parser: argparse.ArgumentParser, argv: list[str], role: str,
             if name in layer:
                 merged[name], sources[name] = layer[name]
         if given[name] is not unset:
-            merged[name], sources[name] = given[name], _flag(name)
+            value = given[name]
+            if str(f.type) == "float" and isinstance(value, str):
+                value = _parsed(value, "float", _flag(name))
+            merged[name], sources[name] = value, _flag(name)
     check_values(merged, sources)
     port_file = given["port_file"] if given["port_file"] is not unset else None
     ns = argparse.Namespace(config=Path(config_path) if config_path else None,
@@ -300,7 +310,9 @@ def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None
     problems: list[str] = []
     for name, value in values.items():
         low, high = RANGES.get(name, (None, None))
-        if low is not None and value < low or high is not None and value > high:
+        if isinstance(value, float) and math.isnan(value):  # NaN passes every comparison
+            problems.append(f"{label(name)}: {name} must be a number, got nan")
+        elif low is not None and value < low or high is not None and value > high:
             bounds = (f"in [{low}, {high}]" if high is not None else f">= {low}")
             problems.append(f"{label(name)}: {name} must be {bounds}, got {value!r}")
         if name in CHOICES and value not in CHOICES[name]:
