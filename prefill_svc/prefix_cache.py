@@ -131,7 +131,11 @@ class PrefixCache:
     def insert(self, owner: str, token_ids: list[int], scope: bytes) -> int:
         """After owner's prefill completed (all its prompt KV written): its complete prompt
         pages that the cache does not hold yet become the cache's (ownership moves, no copy),
-        up to max_pages. Returns the pages added."""
+        up to max_pages, as children of the cached chain they extend. Returns the pages added.
+
+        The chain being extended may be another request's entries that owner never borrowed
+        (both missed, the other finished first); eviction to make room keeps that chain, so a
+        new entry's parent always exists. Raises only before anything changed."""
         if not (self.config.enabled and scope):
             return 0
         size = self.allocator.page_size
@@ -139,18 +143,19 @@ class PrefixCache:
         self.allocator.mark_written(owner, len(token_ids))
         first_new = next((i for i, key in enumerate(keys) if key not in self._entries),
                          len(keys))
-        for key in keys[:first_new]:
+        chain = keys[:first_new]
+        for key in chain:
             self._entries.move_to_end(key)
         wanted = len(keys) - first_new
         over = len(self._entries) + wanted - self.max_pages
         if over > 0:
-            self._evict(over, set())
+            self._evict(over, {self._entries[key].page for key in chain})
         count = min(wanted, self.max_pages - len(self._entries))
         if count <= 0:
             return 0
         table = self.allocator.page_table(owner)
         new = range(first_new, first_new + count)
-        self.allocator.give_to_cache(owner, [table[i] for i in new])
+        self.allocator.give_to_cache(owner, [table[i] for i in new])  # raises: nothing changed
         for i in new:
             parent = keys[i - 1] if i else None
             self._entries[keys[i]] = _Entry(table[i], parent, scope,
