@@ -1,0 +1,33 @@
+"""The CPU fast path: attention through torch's fused scaled_dot_product_attention with batched
+page gathers (common/kernels/*_sdpa.py); the other ops are the torch references, which are
+already single vectorised torch calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from common.kernels.decode_attention_sdpa import decode_attention_sdpa
+from common.kernels.paged_prefill_attention_sdpa import paged_prefill_attention_sdpa
+from common.kernels.prefill_attention_sdpa import prefill_attention_sdpa
+from common.ops.torch_ops import TorchOps
+
+
+@dataclass(frozen=True)
+class CpuOps(TorchOps):
+    """TorchOps with the three attention ops replaced; same signatures and semantics, tested
+    against the float32 references (tests/kernels/test_*_sdpa.py)."""
+
+    name: str = "cpu"
+
+    def prefill_attention(self, q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor:
+        return prefill_attention_sdpa(q, k, v, cu_seqlens, max_seqlen, scale)
+
+    def paged_prefill_attention(self, q, k_cache, v_cache, page_table, cu_seqlens_q,
+                                context_lens, max_seqlen_q, scale) -> torch.Tensor:
+        return paged_prefill_attention_sdpa(q, k_cache, v_cache, page_table, cu_seqlens_q,
+                                            context_lens, max_seqlen_q, scale)
+
+    def decode_attention(self, q, k_cache, v_cache, page_table, seq_lens, scale) -> torch.Tensor:
+        return decode_attention_sdpa(q, k_cache, v_cache, page_table, seq_lens, scale)
