@@ -1,7 +1,8 @@
 """`kvhandoff bench serve`: a serving load test in the manner of `vllm bench serve`, for the
 disaggregated pair and for the same engine in one process (decode --local-prefill), side by side.
 
-    kvhandoff bench serve [--modes disaggregated,local | --target HOST:PORT]
+    kvhandoff bench serve [--modes disaggregated,local | --target HOST:PORT
+                           | --backend openai --url http://HOST:PORT/v1 [--server-pids PIDS]]
         [--num-prompts 64] [--request-rate inf|R[,R...]] [--max-concurrency N[,N...]]
         [--input-len N|LOW:HIGH] [--output-len N|LOW:HIGH] [--warmup-requests 2]
         [--shared-prefix-len N] [--cache-salt SALT]
@@ -11,6 +12,14 @@ It starts the services itself (processes on 127.0.0.1, `--model`, pool and page 
 by every service) unless --target names a running decode. Every mode gets the same requests
 (same seed) and the same loads. Prompts are random token ids; generation ignores end of
 sequence so that output lengths are the ones drawn.
+
+`--backend openai --url http://127.0.0.1:8000/v1` sends the same requests (same seed, lengths,
+concurrency and timing code) to any OpenAI-compatible server as streaming /v1/completions
+(bench/openai_client.py), e.g. vLLM or our decode's --http-port. `--server-pids` names the
+server's processes (their children are counted too) for the CPU-seconds-per-token column; the
+services this command starts are counted without it. `--compare A.json B.json ...` prints the
+side-by-side table of earlier runs' --json files, with each system's ratios to the last one
+(`--ratio-base` to choose), so that the systems run one at a time on the same cores.
 
 The shared-prefix workload: `--shared-prefix-len 1024 --input-len 32 --modes cache-off,cache-on`
 gives every prompt the same 1024-token system prompt before its own 32 tokens, all under one
@@ -23,15 +32,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.serve_client import LengthRange, make_requests, run_load, warm_up
-from bench.serve_report import print_table, summarize, write_plots
+from bench.server_cpu import check_pids, tree_cpu_seconds
+from bench.serve_client import GrpcBackend, LengthRange, make_requests, run_load, warm_up
+from bench.serve_report import print_headline, print_table, summarize, write_plots
 from bench.servers import MODES, model_vocab_size, start_deployment
 from common.server.grpc_server import run_async
 
@@ -49,6 +58,25 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--modes", default=",".join(MODES), help="disaggregated and/or local")
     p.add_argument("--target", default="", help="benchmark a running decode at HOST:PORT instead")
+    p.add_argument("--backend", default="grpc", choices=("grpc", "openai"),
+                   help="grpc: our Generate API; openai: an OpenAI-compatible server at --url")
+    p.add_argument("--url", default="", help="(openai) the server's base URL, ending in /v1")
+    p.add_argument("--served-model", default="",
+                   help="(openai) the request's model field (empty: the first of GET /models)")
+    p.add_argument("--prompt-format", default="ids", choices=("ids", "text"),
+                   help="(openai) prompts as token ids, or as text decoded by --model's "
+                        "tokenizer.json")
+    p.add_argument("--label", default="openai", help="(openai) the system's name in the tables")
+    p.add_argument("--server-pids", type=_ints, default=[],
+                   help="pids of a running server (--target, --url) whose CPU time, children "
+                        "included, is read from /proc; comma separated")
+    p.add_argument("--compare", type=Path, nargs="+", default=[], metavar="JSON",
+                   help="print the side-by-side table of earlier --json runs and exit")
+    p.add_argument("--ratio-base", default="",
+                   help="the system the ratios are against (empty: the last one)")
+    p.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
+                   help="give a started prefill and decode each its own share of the CPUs, as "
+                        "`kvhandoff up` does (a local-prefill decode gets all of them)")
     p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
     p.add_argument("--vocab-size", type=int, default=0, help="(with --target) token id bound")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -57,8 +85,9 @@ def parser() -> argparse.ArgumentParser:
                    help="context window of every service (0: the model's)")
     p.add_argument("--server-args", default="", help="extra flags for every service")
     p.add_argument("--decode-args", default="", help="extra flags for decode")
-    p.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 2) // 2),
-                   help="OMP threads per service process (0: torch's default)")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="torch threads per started service (0: one per CPU of its share; "
+                        "with --no-cpu-split, torch's default)")
     p.add_argument("--num-prompts", type=int, default=64, help="requests per load")
     p.add_argument("--request-rate", type=_floats, default=[math.inf],
                    help="Poisson arrival rates in req/s, comma separated; inf: all at once")
@@ -106,26 +135,86 @@ def _progress(label: str):
 
 
 
-def run_mode(mode: str, address: str, args, specs, warmups, loads, results, runs) -> None:
-    run_async(lambda: warm_up(address, warmups, args.request_timeout))
+def point_name(input_len: str, output_len: str, load: str) -> str:
+    """A row of the side-by-side table: the workload and the load."""
+    return f"in {input_len}, out {output_len}, {load}"
+
+
+def run_mode(mode: str, backend, pids: list[int], args, specs, warmups, loads, results,
+             runs) -> None:
+    run_async(lambda: warm_up(backend, warmups, args.request_timeout))
     for rate, concurrency in loads:
         load = _load_name(rate, concurrency)
+        cpu_before = tree_cpu_seconds(pids) if pids else None
         got, duration = run_async(lambda rate=rate, concurrency=concurrency, load=load: run_load(
-            address, specs, rate, concurrency, args.seed, args.request_timeout,
+            backend, specs, rate, concurrency, args.seed, args.request_timeout,
             _progress(f"{mode}, {load}")))
         summary = summarize(got, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+        if cpu_before is not None:
+            summary["server_cpu_s"] = tree_cpu_seconds(pids) - cpu_before
+            summary["cpu_s_per_output_token"] = (summary["server_cpu_s"]
+                                                 / max(summary["output_tokens"], 1))
         results[(mode, load)] = got
-        runs.append({"mode": mode, "load": load, "request_rate": None if math.isinf(rate)
-                     else rate, "max_concurrency": concurrency,
+        runs.append({"mode": mode, "load": load,
+                     "point": point_name(str(args.input_len), str(args.output_len), load),
+                     "request_rate": None if math.isinf(rate) else rate,
+                     "max_concurrency": concurrency,
                      "offered": _offered(rate, concurrency, summary), "summary": summary})
+
+
+def compare(paths: list[Path], base: str) -> int:
+    """The side-by-side table of earlier runs' JSON files."""
+    runs = []
+    for path in paths:
+        try:
+            data = json.loads(path.read_text())
+            for run in data["runs"]:
+                config = data["config"]
+                runs.append({**run, "point": run.get("point") or point_name(
+                    config["input_len"], config["output_len"], run["load"])})
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            print(f"kvhandoff bench serve: --compare {path}: not a bench serve JSON file "
+                  f"({type(err).__name__}: {err})", file=sys.stderr)
+            return 2
+    if base and base not in {run["mode"] for run in runs}:
+        print(f"kvhandoff bench serve: --ratio-base {base!r} is not among the systems "
+              f"{sorted({run['mode'] for run in runs})}", file=sys.stderr)
+        return 2
+    print_headline(runs, base or None)
+    return 0
+
+
+def _systems(args) -> list[str]:
+    if args.backend == "openai":
+        return [args.label]
+    return ["target"] if args.target else [m.strip() for m in args.modes.split(",") if m]
+
+
+def _openai_backend(args):
+    from bench.openai_client import OpenAiBackend
+
+    return OpenAiBackend(args.url, args.served_model, args.prompt_format,
+                         "" if args.model == "demo" else args.model, args.label)
 
 
 def main(argv: list[str]) -> int:
     args = parser().parse_args(argv)
-    modes = ["target"] if args.target else [m.strip() for m in args.modes.split(",") if m]
-    unknown = set(modes) - {*MODES, "target"}
+    if args.compare:
+        return compare(args.compare, args.ratio_base)
+    if args.backend == "openai" and not args.url.startswith(("http://", "https://")):
+        parser().error("--backend openai needs --url http://HOST:PORT/v1")
+    if args.backend == "openai" and args.model == "demo" and not args.vocab_size:
+        parser().error("--backend openai needs --model DIR (the server's checkpoint: its "
+                       "vocabulary bounds the prompts' ids) or --vocab-size")
+    modes = _systems(args)
+    unknown = set(modes) - {*MODES, "target"} if args.backend == "grpc" else set()
     if unknown:
         parser().error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
+    try:
+        check_pids(args.server_pids)
+        backend = _openai_backend(args) if args.backend == "openai" else None
+    except (ValueError, RuntimeError) as err:
+        parser().error(str(err))
     vocab = args.vocab_size or model_vocab_size(args.model)
     specs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed,
                           args.shared_prefix_len, args.cache_salt)
@@ -138,31 +227,42 @@ def main(argv: list[str]) -> int:
     results: dict = {}
     runs: list[dict] = []
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="kvh-bench-serve-") as tmp:
-        for mode in modes:
-            if mode == "target":
-                run_mode(mode, args.target, args, specs, warmups, loads, results, runs)
-                continue
-            print(f"[{mode}] starting services ...", file=sys.stderr, flush=True)
-            deployment = start_deployment(mode, flags, Path(tmp), args.torch_threads,
-                                          shlex.split(args.decode_args))
-            try:
-                run_mode(mode, deployment.address, args, specs, warmups, loads, results, runs)
-            finally:
-                deployment.stop()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvh-bench-serve-") as tmp:
+            for mode in modes:
+                if backend is not None or mode == "target":
+                    run_mode(mode, backend or GrpcBackend(args.target), args.server_pids, args,
+                             specs, warmups, loads, results, runs)
+                    continue
+                print(f"[{mode}] starting services ...", file=sys.stderr, flush=True)
+                deployment = start_deployment(mode, flags, Path(tmp), args.torch_threads,
+                                              shlex.split(args.decode_args),
+                                              cpu_split=args.cpu_split)
+                try:
+                    run_mode(mode, GrpcBackend(deployment.address), deployment.pids, args,
+                             specs, warmups, loads, results, runs)
+                finally:
+                    deployment.stop()
+    except RuntimeError as err:  # a warm-up that failed, a server that cannot be used
+        print(f"\nkvhandoff bench serve: {err}", file=sys.stderr)
+        return 1
     config = {"modes": modes, "model": args.model, "num_prompts": args.num_prompts,
+              "backend": args.backend, "url": args.url,
               "shared_prefix_len": args.shared_prefix_len, "cache_salt": args.cache_salt,
               "input_len": str(args.input_len), "output_len": str(args.output_len),
               "loads": [_load_name(r, c) for r, c in loads], "slo_ttft_ms": args.slo_ttft_ms,
               "slo_tpot_ms": args.slo_tpot_ms, "torch_threads": args.torch_threads,
-              "service_flags": flags, "decode_args": args.decode_args, "seed": args.seed,
-              "started": started}
+              "cpu_split": args.cpu_split, "service_flags": flags,
+              "decode_args": args.decode_args, "seed": args.seed, "started": started}
     shared = f"a shared prefix of {args.shared_prefix_len} and " if args.shared_prefix_len else ""
+    placed = ("the URL's server" if args.backend == "openai" else
+              f"{args.torch_threads or 'one per CPU'} torch threads per service, CPUs "
+              f"{'split' if args.cpu_split else 'shared'}")
     print(f"\n{args.num_prompts} prompts, input {shared}{args.input_len} tokens, output "
-          f"{args.output_len} tokens, model {args.model}, {args.torch_threads} torch threads "
-          f"per service")
+          f"{args.output_len} tokens, model {args.model}, {placed}")
     for load in dict.fromkeys(_load_name(r, c) for r, c in loads):
         print_table(load, {run["mode"]: run["summary"] for run in runs if run["load"] == load})
+    print_headline(runs, args.ratio_base or None)
     if args.json:
         args.json.write_text(json.dumps({
             "config": config, "runs": runs,

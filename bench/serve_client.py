@@ -1,13 +1,16 @@
 """The load generator of `kvhandoff bench serve`: requests drawn from length distributions, sent
-at a Poisson rate (or all at once) under an optional concurrency cap, each timed per token."""
+at a Poisson rate (or all at once) under an optional concurrency cap, each timed per token, to
+our gRPC API (GrpcBackend) or an OpenAI-compatible server (bench.openai_client) by the same
+timing code."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -96,6 +99,9 @@ def make_requests(count: int, input_len: LengthRange, output_len: LengthRange, v
                         output_len.draw(rng), cache_salt) for _ in range(count)]
 
 
+Send = Callable[["RequestSpec", float], Awaitable["RequestResult"]]
+
+
 async def run_one(stub: generate_pb2_grpc.GenerationServiceStub, spec: RequestSpec,
                   timeout: float) -> RequestResult:
     """One streamed generation; generation past stop ids is forced (ignore_eos) so that the
@@ -116,32 +122,48 @@ async def run_one(stub: generate_pb2_grpc.GenerationServiceStub, spec: RequestSp
     return result
 
 
-async def run_load(address: str, specs: list[RequestSpec], request_rate: float,
+class GrpcBackend:
+    """Our decode's gRPC Generate API at `address`; `connect()` opens one channel for a load."""
+
+    label = "grpc"
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    @contextlib.asynccontextmanager
+    async def connect(self) -> AsyncIterator[Send]:
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = generate_pb2_grpc.GenerationServiceStub(channel)
+            yield lambda spec, timeout: run_one(stub, spec, timeout)
+
+
+async def run_load(backend, specs: list[RequestSpec], request_rate: float,
                    max_concurrency: int, seed: int, timeout: float,
                    progress: Callable[[int, int], None]) -> tuple[list[RequestResult], float]:
-    """Sends every spec, Poisson arrivals at request_rate (math.inf: all at once), at most
-    max_concurrency in flight (0: no cap). Returns the results and the run's duration."""
+    """Sends every spec through `backend` (GrpcBackend, or bench.openai_client.OpenAiBackend:
+    anything whose connect() yields send(spec, timeout) -> RequestResult), Poisson arrivals at
+    request_rate (math.inf: all at once), at most max_concurrency in flight (0: no cap).
+    Returns the results and the run's duration."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
     done = 0
 
-    async def one(stub, spec: RequestSpec) -> RequestResult:
+    async def one(send: Send, spec: RequestSpec) -> RequestResult:
         nonlocal done
         if limit is None:
-            result = await run_one(stub, spec, timeout)
+            result = await send(spec, timeout)
         else:
             async with limit:
-                result = await run_one(stub, spec, timeout)
+                result = await send(spec, timeout)
         done += 1
         progress(done, len(specs))
         return result
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerationServiceStub(channel)
+    async with backend.connect() as send:
         started = time.perf_counter()
         tasks = []
         for i, spec in enumerate(specs):
-            tasks.append(asyncio.ensure_future(one(stub, spec)))
+            tasks.append(asyncio.ensure_future(one(send, spec)))
             if math.isfinite(request_rate) and i + 1 < len(specs):
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
@@ -151,11 +173,10 @@ async def run_load(address: str, specs: list[RequestSpec], request_rate: float,
     return list(results), duration
 
 
-async def warm_up(address: str, specs: list[RequestSpec], timeout: float) -> None:
+async def warm_up(backend, specs: list[RequestSpec], timeout: float) -> None:
     """Runs the warm-up requests one after another; their times are not recorded."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerationServiceStub(channel)
+    async with backend.connect() as send:
         for spec in specs:
-            result = await run_one(stub, spec, timeout)
+            result = await send(spec, timeout)
             if result.error:
                 raise RuntimeError(f"warm-up request failed: {result.error}")

@@ -3,7 +3,8 @@
 Metrics (as in `vllm bench serve`): TTFT, the send-to-first-token time; TPOT, a request's mean
 time per output token after the first; ITL, every gap between consecutive tokens; E2E, the
 send-to-last-message time. Throughputs are over the run's wall time. Goodput counts the
-requests that meet every SLO given (TTFT and/or TPOT), per second.
+requests that meet every SLO given (TTFT and/or TPOT), per second. Server CPU seconds per output
+token are the CPU time the server's processes used during the load over the tokens it streamed.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ def _rows(summary: dict) -> list[tuple[str, str]]:
             ("request throughput (req/s)", num(summary["request_throughput"], 3)),
             ("output throughput (tok/s)", num(summary["output_throughput"], 1)),
             ("total throughput (tok/s)", num(summary["total_token_throughput"], 1)),
-            ("goodput (req/s)", num(summary["goodput"], 3))]
+            ("goodput (req/s)", num(summary["goodput"], 3)),
+            ("server CPU s / output token", num(summary.get("cpu_s_per_output_token"), 4))]
     for key, name in LATENCIES:
         for stat in ("mean", *(f"p{p}" for p in PERCENTILES)):
             rows.append((f"{name} {stat} (ms)", num(summary[key][stat])))
@@ -84,6 +86,61 @@ def print_table(title: str, summaries: dict[str, dict], out=sys.stdout) -> None:
     print(f"{'metric':<{width}}" + "".join(f"{m:>16}" for m in modes), file=out)
     for name in names:
         print(f"{name:<{width}}" + "".join(f"{columns[m][name]:>16}" for m in modes), file=out)
+
+
+# the side-by-side table: (column, summary key, stat or None, digits)
+HEADLINE = (("out tok/s", "output_throughput", None, 1), ("req/s", "request_throughput", None, 3),
+            ("TTFT p50", "ttft_ms", "p50", 0), ("TTFT p90", "ttft_ms", "p90", 0),
+            ("TPOT p50", "tpot_ms", "p50", 1), ("ITL p90", "itl_ms", "p90", 1),
+            ("CPU s/tok", "cpu_s_per_output_token", None, 4))
+# ratios against the base system: higher is better for throughput, lower for latency
+RATIOS = (("tok/s x", "output_throughput", None), ("TTFT p50 x", "ttft_ms", "p50"),
+          ("TPOT p50 x", "tpot_ms", "p50"))
+
+
+def _value(summary: dict, key: str, stat: str | None) -> float | None:
+    value = summary.get(key)
+    return value.get(stat) if stat is not None and isinstance(value, dict) else value
+
+
+def ratio(summary: dict, base: dict, key: str, stat: str | None) -> float | None:
+    """summary's value over base's; None when either is missing or base's is 0."""
+    mine, theirs = _value(summary, key, stat), _value(base, key, stat)
+    return None if mine is None or not theirs else mine / theirs
+
+
+def print_headline(runs: list[dict], base_mode: str | None = None, out=None) -> None:
+    """One row per (point, system): the headline metrics (ms for latencies) and, when two or
+    more systems ran, each one's ratios to base_mode's row of the same point (default: the
+    last system listed)."""
+    out = out or sys.stdout
+    modes = list(dict.fromkeys(run["mode"] for run in runs))
+    base = base_mode or modes[-1]
+    points = list(dict.fromkeys(run["point"] for run in runs))
+    show_ratios = len(modes) > 1
+    columns = [name for name, *_ in HEADLINE] + ([f"{n} {base}" for n, *_ in RATIOS]
+                                                  if show_ratios else [])
+    width = max(len(p) for p in points) + 2
+    label = max(len(m) for m in modes) + 2
+    print(f"\n=== side by side{f' (ratios: each system over {base})' if show_ratios else ''}"
+          " ===", file=out)
+    print(f"{'point':<{width}}{'system':<{label}}" + "".join(f"{c:>{max(11, len(c) + 2)}}"
+                                                           for c in columns), file=out)
+    for point in points:
+        here = {run["mode"]: run["summary"] for run in runs if run["point"] == point}
+        for mode, summary in here.items():
+            cells = [_format(_value(summary, key, stat), digits)
+                     for _name, key, stat, digits in HEADLINE]
+            if show_ratios:
+                cells += [_format(ratio(summary, here[base], key, stat), 2) + "x"
+                          if base in here and mode != base else "-"
+                          for _name, key, stat in RATIOS]
+            print(f"{point:<{width}}{mode:<{label}}" + "".join(
+                f"{cell:>{max(11, len(c) + 2)}}" for cell, c in zip(cells, columns)), file=out)
+
+
+def _format(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def write_plots(runs: list[dict], results: dict, plot_dir: Path) -> list[Path]:

@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.server.cpu_placement import allowed_cpus, format_cpu_list, split_cores
 from common.server.launch import ServiceProcess, launch, stop_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,17 +28,27 @@ class Deployment:
     address: str
     services: list[ServiceProcess] = field(default_factory=list)
 
+    @property
+    def pids(self) -> list[int]:
+        return [service.proc.pid for service in self.services]
+
     def stop(self) -> None:
         stop_processes([service.proc for service in reversed(self.services)])
 
 
-def service_env(torch_threads: int) -> dict[str, str]:
-    """The services' environment; torch_threads > 0 pins their intra-op threads (on a small
-    shared machine, more threads than free cores make every parallel op wait for a timeslice)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    if torch_threads > 0:
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(torch_threads)
-    return env
+def placement_flags(role: str, mode: str, torch_threads: int, cpu_split: bool) -> list[str]:
+    """--cpu-affinity and --torch-threads of one service, as `kvhandoff up` places them: with
+    cpu_split, a prefill and its decode each get their own share of this process's CPUs (a
+    local-prefill decode all of them), and torch_threads 0 means one per CPU of the share;
+    without it, only torch_threads > 0 is passed on (on a small shared machine, more threads
+    than free cores make every parallel op wait for a timeslice)."""
+    if not cpu_split:
+        return ["--torch-threads", str(torch_threads)] if torch_threads > 0 else []
+    cpus = allowed_cpus()
+    if mode in PREFILL_FLAGS:
+        cpus = split_cores(cpus)[0 if role == "prefill" else 1]
+    return ["--cpu-affinity", format_cpu_list(cpus), "--torch-threads",
+            str(torch_threads or len(cpus))]
 
 
 def _start(role: str, flags: list[str], workdir: Path, env: dict, timeout: float
@@ -48,25 +59,30 @@ def _start(role: str, flags: list[str], workdir: Path, env: dict, timeout: float
 
 
 def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_threads: int,
-                     decode_flags: list[str] = (), timeout: float = 300.0) -> Deployment:
+                     decode_flags: list[str] = (), timeout: float = 300.0,
+                     cpu_split: bool = True) -> Deployment:
     """Starts `mode` (one of MODES: 'local' is decode --local-prefill, the others a prefill
-    and a decode) and waits until decode reports SERVING."""
+    and a decode), placed on the CPUs by placement_flags, and waits until decode reports
+    SERVING."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
     workdir = workdir / mode
     workdir.mkdir(parents=True, exist_ok=True)
-    env = service_env(torch_threads)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     deployment = Deployment(mode, "")
     try:
         decode_extra = list(decode_flags)
         if mode in PREFILL_FLAGS:
-            prefill = _start("prefill", [*service_flags, *PREFILL_FLAGS[mode]], workdir, env,
-                             timeout)
+            prefill = _start("prefill", [*service_flags, *PREFILL_FLAGS[mode],
+                                         *placement_flags("prefill", mode, torch_threads,
+                                                          cpu_split)], workdir, env, timeout)
             deployment.services.append(prefill)
             decode_extra += ["--prefill", prefill.address]
         else:
             decode_extra += ["--local-prefill"]
-        decode = _start("decode", [*service_flags, *decode_extra], workdir, env, timeout)
+        decode = _start("decode", [*service_flags,
+                                   *placement_flags("decode", mode, torch_threads, cpu_split),
+                                   *decode_extra], workdir, env, timeout)
         deployment.services.append(decode)
         deployment.address = decode.address
         return deployment

@@ -38,6 +38,10 @@ class ServiceConfig:
     # bypass the channel's TLS may be used when TLS is configured
     shm_dir: str = "/dev/shm"
     allow_planes_without_tls: bool = False
+    # CPU placement (common/server/cpu_placement.py): torch's intra-op threads (0: one per CPU
+    # of cpu_affinity, else torch's default) and the CPUs the process runs on ("": unchanged)
+    torch_threads: int = 0
+    cpu_affinity: str = ""
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

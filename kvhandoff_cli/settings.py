@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from common.config import DecodeConfig, PrefillConfig, ServiceConfig
+from common.server.cpu_placement import CpuListError, check_cpu_affinity
 
 ENV_PREFIX = "KVHANDOFF_"
 CONFIG_ENV = "KVHANDOFF_CONFIG"
@@ -59,6 +60,9 @@ SERVICE_HELP = {
     "verify_full_fraction": "share of handoffs (0 to 1, drawn unguessably per handoff) for which "
                             "decode recomputes the whole prompt and compares every layer at every "
                             "position (SPEC.md D-49); costs one prefill of the prompt on decode",
+    "torch_threads": "torch intra-op threads (0: one per CPU of --cpu-affinity, else torch's "
+                     "default)",
+    "cpu_affinity": "CPUs the service runs on, e.g. 0-3,6 (empty: the ones it was started with)",
 }
 ROLE_HELP = {
     "shm_dir": "directory of the shared-memory regions (a tmpfs both services see)",
@@ -118,7 +122,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "prefill_info_interval_s": (0.01, None), "verify_depth_positions": (0, 1024),
     "verify_full_fraction": (0, 1),
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
-    "nixl_read_timeout_s": (0.001, None),
+    "nixl_read_timeout_s": (0.001, None), "torch_threads": (0, 1024),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
            "kernels": ("auto", "triton", "torch"),
@@ -320,6 +324,11 @@ def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None
                             f"got {value!r}")
         if name in FILE_FIELDS and value and not Path(str(value)).is_file():
             problems.append(f"{label(name)}: {name} file {value!r} does not exist")
+    if values.get("cpu_affinity"):
+        try:
+            check_cpu_affinity(str(values["cpu_affinity"]))
+        except CpuListError as err:
+            problems.append(f"{label('cpu_affinity')}: {err}")
     if "device" in values and not DEVICE_PATTERN.fullmatch(str(values["device"])):
         problems.append(f"{label('device')}: device must be auto, cpu, cuda or cuda:N, "
                         f"got {values['device']!r}")

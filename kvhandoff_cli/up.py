@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 
 from common.pb.kvhandoff.v1 import stats_pb2, stats_pb2_grpc
+from common.server.cpu_placement import (CpuListError, allowed_cpus, check_cpu_affinity,
+                                         format_cpu_list, split_cores)
 from common.server.launch import ServiceProcess, launch, stop_processes
 from common.server.wait import wait_serving
 from common.server.ports import PortUnavailable, check_port_free
@@ -120,6 +122,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--data-plane", default="auto",
                    choices=("auto", "inline", "shared-memory", "nixl"),
                    help="how KV travels; auto: the fastest plane both sides offer")
+    p.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
+                   help="give prefill and decode each its own share of the CPUs up may use "
+                        "(prefill the lower half, decode the rest); --no-cpu-split: both use "
+                        "all of them with torch's default threads")
+    p.add_argument("--prefill-cpus", default="", metavar="LIST",
+                   help="prefill's CPUs, e.g. 0-3 (empty: from --cpu-split)")
+    p.add_argument("--decode-cpus", default="", metavar="LIST",
+                   help="decode's CPUs, e.g. 4-7 (empty: from --cpu-split)")
+    p.add_argument("--prefill-torch-threads", type=int, default=0,
+                   help="prefill's torch threads (0: one per CPU of its share)")
+    p.add_argument("--decode-torch-threads", type=int, default=0,
+                   help="decode's torch threads (0: one per CPU of its share)")
     p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="prefill keeps prompt pages for later requests of the same cache scope "
                         "(identity and cache_salt; none shares with nobody)")
@@ -135,6 +149,37 @@ def _chunk_flag(tokens: int | None) -> list[str]:
     return [] if tokens is None else ["--prefill-chunk-tokens", str(tokens)]
 
 
+def cpu_placement(args: argparse.Namespace) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """role -> (torch threads, CPUs) from up's flags; CPUs () leave the service unpinned and
+    threads 0 leave torch's default. Raises CpuListError on a list that cannot be used."""
+    shares = split_cores(allowed_cpus()) if args.cpu_split else ((), ())
+    placement = {}
+    for role, share in zip(("prefill", "decode"), shares):
+        text = getattr(args, f"{role}_cpus")
+        threads = getattr(args, f"{role}_torch_threads")
+        if threads < 0:
+            raise CpuListError(f"--{role}-torch-threads must be >= 0, got {threads}")
+        try:
+            cpus = check_cpu_affinity(text) if text else share
+        except CpuListError as err:
+            raise CpuListError(f"--{role}-cpus: {err}") from err
+        placement[role] = (threads or len(cpus), cpus)
+    return placement
+
+
+def _placement_flags(threads: int, cpus: tuple[int, ...]) -> list[str]:
+    return ["--torch-threads", str(threads), "--cpu-affinity", format_cpu_list(cpus)]
+
+
+def _placement_line(placement: dict[str, tuple[int, tuple[int, ...]]]) -> str:
+    def one(role: str) -> str:
+        threads, cpus = placement[role]
+        where = f"CPUs {format_cpu_list(cpus)}" if cpus else "all CPUs"
+        return f"{role} {where}, " + (f"{threads} torch threads" if threads
+                                      else "torch's default threads")
+    return f"{one('prefill')}; {one('decode')}"
+
+
 def _metrics_ports(port: int) -> tuple[int, int]:
     """(prefill, decode) /metrics ports for up's --metrics-port."""
     return (port if port <= 0 else port + 1), port
@@ -148,6 +193,11 @@ def up(argv: list[str]) -> int:
         bearer = (("authorization", f"Bearer {read_token_entries(args.api_tokens)[0].token}"),
                   ) if args.api_tokens else ()
     except TenantsFileError as err:
+        print(f"kvhandoff up: refusing to start: {err}", file=sys.stderr)
+        return 2
+    try:
+        placement = cpu_placement(args)
+    except CpuListError as err:
         print(f"kvhandoff up: refusing to start: {err}", file=sys.stderr)
         return 2
     prefill_metrics, decode_metrics = _metrics_ports(args.metrics_port)
@@ -201,6 +251,7 @@ def up(argv: list[str]) -> int:
                             "--pool-tokens", str(args.prefill_pool_tokens), "--metrics-port",
                             str(prefill_metrics), *_chunk_flag(args.prefill_chunk_tokens),
                             "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
+                            *_placement_flags(*placement["prefill"]),
                             *shlex.split(args.prefill_args)],
                 Path(tmp) / "prefill.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("prefill")))
@@ -211,6 +262,7 @@ def up(argv: list[str]) -> int:
                            "--data-plane", args.data_plane, "--metrics-port", str(decode_metrics),
                            *(["--api-tokens", str(args.api_tokens.resolve())]
                              if args.api_tokens else []),
+                           *_placement_flags(*placement["decode"]),
                            *shlex.split(args.decode_args)],
                 Path(tmp) / "decode.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("decode")))
@@ -224,7 +276,8 @@ def up(argv: list[str]) -> int:
             print(f"ready: kvhandoff serving at {address} (prefill at {prefill_address}); "
                   f"max prompt {limit} tokens; prefill pool {_pool_line(prefill_address)}, "
                   f"decode pool {_pool_line(address, bearer)}; data plane "
-                  f"{_plane_line(prefill_address, args.data_plane)}"
+                  f"{_plane_line(prefill_address, args.data_plane)}; "
+                  f"{_placement_line(placement)}"
                   + (f"; {DEMO_NOTE}" if args.model == "demo" else ""), flush=True)
             decode_ready = True
             procs = [child.proc for child in children]

@@ -15,6 +15,7 @@ from common.model.loaded import LoadedModel
 from common.model.loader import load_model
 from common.model.protocol import CausalLM
 from common.model.registry import build_model
+from common.server.cpu_placement import apply_cpu_placement, format_cpu_list
 from common.ops.select import make_ops, resolve_backend, triton_is_interpreted
 
 
@@ -29,13 +30,17 @@ class Runtime:
 
 
 def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runtime:
-    """Loads weights, picks kernels, sizes the pool (after the weights are placed) and checks
-    the start-up invariant; raises CapacityError / UnsupportedModelError with a clear message.
+    """Puts the process on its CPUs with its torch threads (config.cpu_affinity,
+    torch_threads), loads weights, picks kernels, sizes the pool (after the weights are
+    placed) and checks the start-up invariant; raises CapacityError / UnsupportedModelError
+    with a clear message.
 
     max_pass_tokens: the most tokens one forward pass carries (prefill: its pass budget,
     which chunked prefill makes a bound whatever the prompt length); the activation peak is
     measured at that many. 0: PROFILE_TOKENS (decode, whose local prefill runs whole
     prompts)."""
+    threads, cpus = apply_cpu_placement(config.torch_threads, config.cpu_affinity)
+    log.info("cpu_placement", torch_threads=threads, cpus=format_cpu_list(cpus))
     device = config.torch_device()
     dtype = config.torch_dtype()
     kernels = resolve_backend(config.kernels, device)
