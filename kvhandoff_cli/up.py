@@ -140,6 +140,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-tokens", type=Path, default=None, metavar="FILE",
                    help="decode's client API takes only the tokens of this file of 'TENANT "
                         "TOKEN' lines, each naming its tenant; SIGHUP to up reloads it")
+    p.add_argument("--verify-full-fraction", default="0",
+                   help="share of handoffs (0 to 1) decode audits by recomputing the whole "
+                        "prompt (SPEC.md D-49)")
     p.add_argument("--start-timeout", type=float, default=300.0,
                    help="seconds each service may take to start")
     return p
@@ -180,6 +183,17 @@ def _placement_line(placement: dict[str, tuple[int, tuple[int, ...]]]) -> str:
     return f"{one('prefill')}; {one('decode')}"
 
 
+def _fraction(text: str, flag: str) -> float:
+    """A share in [0, 1] from the command line; ValueError names the flag and the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a number in [0, 1]") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise ValueError(f"{flag} must be in [0, 1], got {text}")
+    return value
+
+
 def _metrics_ports(port: int) -> tuple[int, int]:
     """(prefill, decode) /metrics ports for up's --metrics-port."""
     return (port if port <= 0 else port + 1), port
@@ -187,6 +201,11 @@ def _metrics_ports(port: int) -> tuple[int, int]:
 
 def up(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    try:
+        audit_fraction = _fraction(args.verify_full_fraction, "--verify-full-fraction")
+    except ValueError as err:
+        print(f"kvhandoff up: refusing to start: {err}", file=sys.stderr)
+        return 2
     from common.server.tenants import TenantsFileError, read_token_entries
 
     try:  # up's own calls to decode's StatsService need a token of the file
@@ -260,6 +279,7 @@ def up(argv: list[str]) -> int:
                 "decode", [*cli, "decode", *common, "--port", str(args.port), "--prefill",
                            prefill_address, "--pool-tokens", str(args.decode_pool_tokens),
                            "--data-plane", args.data_plane, "--metrics-port", str(decode_metrics),
+                           "--verify-full-fraction", repr(audit_fraction),
                            *(["--api-tokens", str(args.api_tokens.resolve())]
                              if args.api_tokens else []),
                            *_placement_flags(*placement["decode"]),
