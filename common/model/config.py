@@ -33,8 +33,24 @@ class ModelConfig:
     rope: RopeScaling = field(default_factory=RopeScaling)
 
     @classmethod
-    def from_hf_dict(cls, raw: dict) -> ModelConfig:
-        """Validates an HF config.json dict; raises UnsupportedModelError with the reason."""
+    def from_hf_dict(cls, raw: dict, source: str = "") -> ModelConfig:
+        """Validates an HF config.json dict; raises UnsupportedModelError with the reason
+        (prefixed with source, the file it came from, when given), also for a missing or
+        mistyped field."""
+        where = f"{source}: " if source else ""
+        try:
+            return cls._from_hf_fields(raw)
+        except UnsupportedModelError as err:
+            raise UnsupportedModelError(f"{where}{err}") from None
+        except KeyError as err:
+            raise UnsupportedModelError(f"{where}no {err.args[0]!r} field; a Hugging Face "
+                                        f"config.json of a supported family has it") from None
+        except (TypeError, ValueError, IndexError) as err:
+            raise UnsupportedModelError(f"{where}a field has the wrong type or is empty "
+                                        f"({err})") from None
+
+    @classmethod
+    def _from_hf_fields(cls, raw: dict) -> ModelConfig:
         family = family_for(raw)
         try:
             rope = RopeScaling.from_hf_dict(raw)
