@@ -23,7 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     dec = sub.add_parser("decode", help="serve a scripted fake prefill to the decode at --target "
                          "(start that decode with --prefill = --fake-prefill-listen)")
     for s in (pre, dec):
-        s.add_argument("--target", required=True, help="HOST:PORT of the service under test")
+        s.add_argument("--target", help="HOST:PORT of the service under test (required "
+                       "except with --list)")
         s.add_argument("--junit", type=Path, help="write JUnit XML here")
         s.add_argument("--only", help="comma-separated case ids or globs to run")
         s.add_argument("--skip", help="comma-separated case ids or globs to leave out")
@@ -38,10 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--kv-tolerance", type=float,
                      help="KV closeness: |a - b| <= tol * (1 + |b|) (default: SPEC.md section 8 "
                           "per dtype)")
-    dec.add_argument("--fake-prefill-listen", required=True,
-                     help="HOST:PORT the fake prefill listens on")
-    dec.add_argument("--reference-prefill", required=True,
-                     help="HOST:PORT of a real prefill of the same model as the decode")
+    dec.add_argument("--fake-prefill-listen",
+                     help="HOST:PORT the fake prefill listens on (required except with --list)")
+    dec.add_argument("--reference-prefill",
+                     help="HOST:PORT of a real prefill of the same model as the decode "
+                          "(required except with --list)")
     dec.add_argument("--wait", type=float, default=180.0,
                      help="how long to wait for the decode to report SERVING (s)")
     dec.add_argument("--stall-deadline", type=float, default=3.0,
@@ -82,12 +84,24 @@ async def _run(args: argparse.Namespace, selection: Selection) -> list[CaseResul
                                   args.stall_deadline, progress, args.shm_dir)
 
 
+# What a run needs besides --list (SPEC.md section 8: --list prints the cases, nothing else).
+RUN_NEEDS = {"prefill": ("target",), "decode": ("target", "fake_prefill_listen",
+                                                "reference_prefill")}
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     selection = Selection.parse(args.only, args.skip)
     if args.list:
         print("\n".join(i for i in _case_ids(args.role) if selection.wants(i)))
         return 0
+    missing = [f"--{name.replace('_', '-')}" for name in RUN_NEEDS[args.role]
+               if not getattr(args, name)]
+    if missing:
+        print(f"kvhandoff conformance {args.role}: error: {' and '.join(missing)} "
+              f"{'is' if len(missing) == 1 else 'are'} required to run the suite (--list "
+              f"prints the cases without them)", file=sys.stderr)
+        return 2
     try:
         results = asyncio.run(_run(args, selection))
     except (TimeoutError, OSError) as err:
