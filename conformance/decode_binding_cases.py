@@ -74,6 +74,9 @@ def binding_cases() -> list[DecodeCase]:
               decoy_kv, "KV_LAYER0_MISMATCH", prompt_tokens=LONG_PROMPT, decoy=another_prompt),
         _case("kv_layer0_zero", "D-46", "layer 0 all zeros, every checksum right",
               lambda i: zeroed_layer(i, 0), "KV_LAYER0_MISMATCH", prompt_tokens=LONG_PROMPT),
+        _case("kv_layer0_v_zero", "D-46", "layer 0's V all zeros, its K genuine, every "
+              "checksum right", lambda i: zeroed_layer(i, 0, "v"), "KV_LAYER0_MISMATCH",
+              prompt_tokens=LONG_PROMPT),
         _case("kv_last_layer_zero", "D-47", "the last layer all zeros, every checksum right",
               lambda i: zeroed_layer(i, -1), "KV_DEPTH_MISMATCH", prompt_tokens=LONG_PROMPT),
         _case("kv_layers_swapped", "D-47", "layers 1 and 2 swapped whole, every checksum right",

@@ -122,10 +122,14 @@ def poisoned_value(i: ScriptInput, table: dict[int, bytes]) -> list[Step]:
     return _with_layers(i, k, list(i.ref.v))
 
 
-def zeroed_layer(i: ScriptInput, layer: int) -> list[Step]:
+def zeroed_layer(i: ScriptInput, layer: int, halves: str = "kv") -> list[Step]:
+    """A layer's K, V or both ("k", "v", "kv") all zeros, the rest genuine."""
     k, v = list(i.ref.k), list(i.ref.v)
     layer = layer % i.ref.num_layers
-    k[layer], v[layer] = bytes(len(k[layer])), bytes(len(v[layer]))
+    if "k" in halves:
+        k[layer] = bytes(len(k[layer]))
+    if "v" in halves:
+        v[layer] = bytes(len(v[layer]))
     return _with_layers(i, k, v)
 
 

@@ -181,6 +181,8 @@ def decode_cases(stall_deadline: float = 3.0) -> list[DecodeCase]:
               with_version(PROTOCOL_MAJOR + 1), refused("VERSION_UNSUPPORTED")),
         _case("version_major_missing", "D-06", "header without protocol_version (0.0)",
               with_version(0), refused("VERSION_UNSUPPORTED")),
+        _case("version_major_zero", "D-06", "header protocol 0.1 (major 0 with a minor of "
+              "1.1's: not version 1)", with_version(0, 1), refused("VERSION_UNSUPPORTED")),
         _case("stream_empty", "D-04", "the stream ends with no frame at all",
               lambda i: [], refused("HEADER_MISSING")),
         _case("header_missing", "D-04", "chunks and commit with no header",

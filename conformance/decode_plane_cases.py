@@ -26,6 +26,11 @@ def shared_memory_cases() -> list[DecodeCase]:
               passthrough, tokens()),
         _case("shm_own_region", "D-61", "the middle chunk's bytes in another good region (name, "
               "mode 0600, size, bytes all right)", middle_in_region, tokens()),
+        _case("shm_v_after_gap", "D-61", "the middle chunk's V at its v_offset, 64 bytes "
+              "after K ends (V does not follow K)", lambda i: middle_in_region(i, gap=64),
+              tokens()),
+        _case("shm_v_before_k", "D-61", "the middle chunk's V before its K in the region, 8 "
+              "bytes apart", lambda i: middle_in_region(i, gap=8, v_first=True), tokens()),
         _case("shm_region_bytes_changed", "D-61", "one K byte in the referenced region differs "
               "from what the chunk's checksums cover",
               lambda i: middle_in_region(i, flip_byte=True), refused("CHECKSUM_MISMATCH")),

@@ -19,23 +19,28 @@ def _regions(i: ScriptInput) -> FakeRegions:
 
 def middle_in_region(i: ScriptInput, flip_byte: bool = False, drop_last_byte: bool = False,
                      mode: int = 0o600, name: str | None = None, refer_as=None,
-                     keep_bytes: bool = False) -> list[Step]:
+                     keep_bytes: bool = False, gap: int = 0, v_first: bool = False
+                     ) -> list[Step]:
     """The good handoff whose middle chunk refers to a region of the fake's own holding its K
-    then V: with one K byte flipped, or the last V byte missing, written with `mode` under
-    `name`; refer_as(name) is the region string the reference carries (default: the name);
-    keep_bytes leaves the inline bytes in the frame too."""
+    then V (V then K when v_first), `gap` bytes that are neither between them: with one K byte
+    flipped, or the region's last byte missing, written with `mode` under `name`; refer_as(name)
+    is the region string the reference carries (default: the name); keep_bytes leaves the
+    inline bytes in the frame too."""
     regions = _regions(i)
     frames = i.good()
     at = middle(frames)
     k, v = frames[at].chunk.k, frames[at].chunk.v
-    data = bytearray(k + v)
+    filler = bytes([0xA5]) * gap
+    data = bytearray(v + filler + k if v_first else k + filler + v)
+    k_offset, v_offset = (len(v) + gap, 0) if v_first else (0, len(k) + gap)
     if flip_byte:
-        data[len(k) // 2] ^= 0x01
+        data[k_offset + len(k) // 2] ^= 0x01
     if drop_last_byte:
         del data[-1]
     written = regions.write(bytes(data), mode=mode, name=name)
     region = refer_as(written) if refer_as else written
-    return replace_frame(frames, at, with_reference(frames[at], region, 0, len(k), keep_bytes))
+    return replace_frame(frames, at, with_reference(frames[at], region, k_offset, v_offset,
+                                                 keep_bytes))
 
 
 def middle_in_missing_region(i: ScriptInput) -> list[Step]:

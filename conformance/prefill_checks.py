@@ -151,7 +151,8 @@ def _check_chunks(chunks, rid: str, n: int, layout, max_chunk_bytes: int) -> lis
 def check_rejection(request: handoff_pb2.PrefillRequest, received: Received,
                     reason_code: str) -> list[str]:
     """Problems with a rejection: exactly one REJECTED header naming the request, its token
-    count and the reason code, no chunk, no commit, then the gRPC error of the code's status."""
+    count and the reason code, echoing its nonce (P-41: whatever the request's minor, as a 1.1
+    prefill does), no chunk, no commit, then the gRPC error of the code's status."""
     problems: list[str] = []
     kinds = received.kinds()
     code = REJECTION_STATUS[reason_code]
@@ -172,6 +173,10 @@ def check_rejection(request: handoff_pb2.PrefillRequest, received: Received,
         if h.token_count != len(request.token_ids):
             problems.append(f"[P-09] header token_count {h.token_count}, the request has "
                             f"{len(request.token_ids)} tokens")
+        if request.nonce and h.nonce != request.nonce:
+            problems.append(f"[P-41] the rejection's header carries nonce "
+                            f"{bytes(h.nonce).hex() or 'none'}, not the request's "
+                            f"{bytes(request.nonce).hex()}")
     out = received.outcome
     if out.code != code or out.reason != reason_code or out.domain != ERROR_DOMAIN:
         problems.append(f"[P-09] stream ended with {out.describe()} (domain {out.domain}); "

@@ -18,6 +18,7 @@ from common.handoff.layout import DTYPE_BYTES, kv_bytes_per_token_per_layer
 from common.pb.kvhandoff.v1 import common_pb2, handoff_pb2, handoff_pb2_grpc
 from conformance.binding import MIN_NONCE_BYTES
 from conformance.pool import PoolWatch
+from conformance.prefill_cache_cases import cache_unscoped_untouched, kv_cached_whole_pages
 from conformance.prefill_checks import check_handoff, check_rejection
 from conformance.prefill_content import (
     ReferencePrefill,
@@ -25,6 +26,12 @@ from conformance.prefill_content import (
     kv_layers_distinct,
     kv_matches_reference,
     kv_prefix_consistent,
+)
+from conformance.prefill_planes import (
+    data_planes_offered,
+    plane_not_offered,
+    plane_shm_no_host_id,
+    plane_shm_other_host,
 )
 from conformance.report import CaseResult, Selection
 from conformance.runner import Case, NotApplicable, prompt_ids, run_cases
@@ -208,6 +215,18 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
         _rejection_case("reject_model_mismatch", "P-11", "MODEL_MISMATCH", "another model's "
                         "fingerprint: REJECTED, FAILED_PRECONDITION", lambda t: t.prompt(3, 14),
                         level="SHOULD", model_fingerprint="not-the-served-model"),
+        Case("data_planes_offered", "P-60", "MUST", "GetPrefillInfo's data_planes list "
+             "INLINE, no plane twice, and a SHARED_MEMORY offer carries its host_id",
+             data_planes_offered),
+        Case("plane_not_offered", "P-61", "MUST", "a request naming a plane the prefill does "
+             "not offer: REJECTED DATA_PLANE_UNAVAILABLE, FAILED_PRECONDITION",
+             plane_not_offered),
+        Case("plane_shm_no_host_id", "P-61", "MUST", "a SHARED_MEMORY request naming no "
+             "data_plane_host_id: REJECTED DATA_PLANE_UNAVAILABLE (skipped unless offered)",
+             plane_shm_no_host_id),
+        Case("plane_shm_other_host", "P-61", "MUST", "a SHARED_MEMORY request naming another "
+             "host id: REJECTED DATA_PLANE_UNAVAILABLE (skipped unless offered)",
+             plane_shm_other_host),
         Case("cancel_mid_stream", "P-13", "MUST", "cancel after the first chunk: the pool is "
              "back at its baseline shortly after", _cancel_mid_stream),
         Case("kv_matches_reference", "P-17", "MUST", "KV of 1 token and of 4 pages + 3 equal "
@@ -220,6 +239,12 @@ def prefill_cases() -> list[Case[PrefillTarget]]:
         Case("kv_cached_prefix_consistent", "P-81", "MUST", "under one cache scope a prompt, "
              "a sibling sharing its first page, the prompt again: their KV equal the KV "
              "computed under a fresh scope", kv_cached_prefix_consistent),
+        Case("kv_cached_whole_pages", "P-81", "MUST", "a prompt of 4 whole pages twice under "
+             "one scope, then under a fresh one: each served within 30 s, the repeat's KV "
+             "equal the fresh KV", kv_cached_whole_pages),
+        Case("cache_unscoped_untouched", "P-80", "MUST", "unscoped requests compute every "
+             "token and add no cached page, also after a scoped request of the same prompt "
+             "(GetStats counters, P-83; skipped without them)", cache_unscoped_untouched),
         Case("concurrent_handoffs", "P-14", "MUST", f"{CONCURRENT_HANDOFFS} concurrent handoffs "
              "are each well formed, with their own request id", _concurrent),
         Case("final_pool_idle", "G-07", "MUST", "after every case the pool is as before the first",

@@ -46,6 +46,8 @@ DECODE_VARIANTS = {
     "decode_cancels_late": ({"cancel_after_refusal"}, "good_passthrough"),
     "decode_range_end_off_by_one": ({"chunk_range_end_past_count"}, "good_passthrough"),
     "decode_refuses_one_token_chunks": ({"good_one_token_edges"}, "good_passthrough"),
+    "decode_accepts_major_0": ({"version_major_zero"}, "good_passthrough"),
+    "decode_layer0_k_only": ({"kv_layer0_v_zero"}, "kv_layer0_zero"),
 }
 # on the SHARED_MEMORY plane (the decode and the suite on the reference's directory)
 SHARED_MEMORY_DECODE_VARIANTS = {
@@ -54,6 +56,7 @@ SHARED_MEMORY_DECODE_VARIANTS = {
                                    "shm_passthrough"),
     "decode_skips_checksum": ({"shm_region_bytes_changed", "checksum_payload"},
                               "shm_passthrough"),
+    "decode_reads_v_after_k": ({"shm_v_after_gap", "shm_v_before_k"}, "shm_passthrough"),
 }
 PREFILL_VARIANTS = {
     "prefill_chunks_after_rejected": ({"reject_empty_prompt", "reject_out_of_vocab",
@@ -76,6 +79,12 @@ PREFILL_VARIANTS = {
     "prefill_kv_of_another_prompt": ({"kv_matches_reference", "kv_prefix_consistent"},
                                      "kv_layers_distinct"),
     "prefill_cache_keyed_by_position": ({"kv_cached_prefix_consistent"}, "kv_prefix_consistent"),
+    "prefill_rejects_without_nonce": ({"reject_empty_prompt", "reject_short_nonce",
+                                       "plane_not_offered"}, "handoff_one_token"),
+    "prefill_shm_without_host_id": ({"plane_shm_no_host_id"}, "plane_shm_other_host"),
+    "prefill_caches_unscoped": ({"cache_unscoped_untouched"}, "kv_cached_prefix_consistent"),
+    # the lookup lends all four pages: nothing is left to compute, the repeat never answers
+    "prefill_cache_covers_last_token": ({"kv_cached_whole_pages"}, "kv_cached_prefix_consistent"),
 }
 
 
