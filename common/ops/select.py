@@ -1,4 +1,6 @@
-"""Picks the ops backend for a device: ``triton`` on CUDA, ``torch`` on the CPU by default."""
+"""Picks the ops backend for a device: ``triton`` on CUDA, ``cpu`` (torch SDPA attention with
+batched page gathers) on the CPU by default; ``torch`` is the reference every backend is tested
+against."""
 
 from __future__ import annotations
 
@@ -9,15 +11,15 @@ import torch
 from common.ops.interface import KernelOps
 from common.ops.torch_ops import TorchOps
 
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "torch", "cpu")
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """'auto' -> 'triton' on a CUDA device, 'torch' otherwise; explicit choices pass through."""
+    """'auto' -> 'triton' on a CUDA device, 'cpu' otherwise; explicit choices pass through."""
     if requested not in BACKENDS:
         raise ValueError(f"unknown kernel backend {requested!r}; choose one of {BACKENDS}")
     if requested == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return "triton" if device.type == "cuda" else "cpu"
     return requested
 
 
@@ -31,6 +33,10 @@ def make_ops(backend: str, device: torch.device) -> KernelOps:
     name = resolve_backend(backend, device)
     if name == "torch":
         return TorchOps()
+    if name == "cpu":
+        from common.ops.cpu_ops import CpuOps
+
+        return CpuOps()
     from common.ops.triton_ops import TritonOps
 
     return TritonOps()
