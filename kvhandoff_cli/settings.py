@@ -36,7 +36,7 @@ SERVICE_HELP = {
     "host": "address to bind",
     "port": "gRPC port (0 picks a free one; prefill 50061, decode 50051 by default)",
     "device": "auto, cpu, cuda or cuda:N", "dtype": "auto, float32, float16, bfloat16",
-    "kernels": "auto (triton on CUDA, torch on CPU), triton or torch",
+    "kernels": "auto (triton on CUDA, cpu on CPU), triton, cpu or torch (reference)",
     "page_size": "tokens per KV page",
     "pool_tokens": "KV pool size in tokens (0: size from --memory-fraction/--kv-cache-bytes)",
     "memory_fraction": "share of free device memory (or of --kv-cache-bytes on the CPU) for KV",
@@ -125,7 +125,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "nixl_read_timeout_s": (0.001, None), "torch_threads": (0, 1024),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
-           "kernels": ("auto", "triton", "torch"),
+           "kernels": ("auto", "triton", "torch", "cpu"),
            "data_plane": ("inline", "shared-memory", "nixl", "auto")}
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # (a, b): a is set only together with b.
