@@ -8,9 +8,11 @@ only by tenant names. Hits are read from prefill's StatsService counters, never 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
@@ -167,3 +169,40 @@ def test_a_malformed_file_refuses_to_start_in_one_line(tmp_path):
         assert done.returncode == 2, done.stderr
         assert len(lines) == 1 and "line 2" in lines[0] and str(tokens) in lines[0], lines
         assert A1 not in done.stderr + done.stdout and "Traceback" not in done.stderr
+
+
+def _cli_generate(address: str, token: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvhandoff_cli.main", "generate", "--target",
+                           address, "--token-ids", "3,4,5", "--max-tokens", "2", "--token",
+                           token], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_up_passes_the_file_to_decode_and_forwards_sighup(tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"team-a {A1}\n")
+    tokens.chmod(0o600)
+    errors = (tmp_path / "up.err").open("w")
+    up = subprocess.Popen([sys.executable, "-m", "kvhandoff_cli.main", "up", "--port", "0",
+                           "--pool-tokens", "8192", "--api-tokens", str(tokens)], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=errors, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        line = ""
+        while "ready" not in line:  # up's own GetStats on decode carried a token of the file
+            assert time.monotonic() < deadline and up.poll() is None, "no ready line"
+            line = up.stdout.readline()
+        address = re.search(r"serving at (\S+)", line).group(1)
+        assert _cli_generate(address, A1).returncode == 0
+        refused = _cli_generate(address, C)
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr
+        tokens.write_text(f"team-a {A1}\nteam-c {C}\n")
+        up.send_signal(signal.SIGHUP)
+        wait_until(lambda: "api_tokens_reloaded" in (tmp_path / "up.err").read_text(), 30,
+                   "decode reloaded the file on up's SIGHUP")
+        assert _cli_generate(address, C).returncode == 0 and up.poll() is None
+    finally:
+        up.send_signal(signal.SIGTERM)
+        status = up.wait(timeout=60)
+        errors.close()
+    assert status == 0
+    assert A1 not in (tmp_path / "up.err").read_text() and C not in line
