@@ -19,7 +19,21 @@ HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^:\[\]/\s]+):(\d{1,5})")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every flag's help ends with its default."""
+    """Every flag's help ends with its default, once: a help text that shows it already
+    (`%(default)s`) gets no second one, and an unset default reads `none` or `empty` rather
+    than Python's `None` or nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "%(default)" in text else super()._get_help_string(action)
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        if action.default is None or action.default == "":
+            action = argparse.Action(action.option_strings, action.dest, help=action.help,
+                                     default="none" if action.default is None else "empty",
+                                     metavar=action.metavar, choices=action.choices,
+                                     type=action.type, nargs=action.nargs)
+        return super()._expand_help(action)
 
 
 def _integer(text: str, what: str, high: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import shlex
 import signal
@@ -31,18 +32,25 @@ DEMO_NOTE = ("model 'demo': random weights, so its text is noise by design; its 
 
 class ChildStderr:
     """Copies a child's stderr to ours line by line and keeps the last lines, so that `up` can
-    say why a child failed (its refusal is a line starting with `kvhandoff ROLE:`)."""
+    say why a child failed (its refusal is a line starting with `kvhandoff ROLE:`, which is
+    kept for up's own line and not copied, so it is printed once), and the /metrics port the
+    child logged (`metrics_port`, -1 when off or not yet known)."""
 
     def __init__(self, role: str, proc: subprocess.Popen) -> None:
         self.role = role
         self.proc = proc
         self.lines: collections.deque[str] = collections.deque(maxlen=50)
+        self.metrics_port = -1
         self._thread = threading.Thread(target=self._copy, args=(proc.stderr,), daemon=True)
         self._thread.start()
 
     def _copy(self, stream) -> None:
         for line in stream:
             self.lines.append(line.rstrip("\n"))
+            if '"metrics_port"' in line:
+                self.metrics_port = _logged_metrics_port(line, self.metrics_port)
+            if line.startswith(f"kvhandoff {self.role}:"):
+                continue  # up says it, in the line that names the child
             sys.stderr.write(line)
             sys.stderr.flush()
 
@@ -51,6 +59,21 @@ class ChildStderr:
         lines = [line for line in self.lines if line.strip()]
         own = [line for line in lines if line.startswith(f"kvhandoff {self.role}")]
         return (own or lines or ["(it wrote nothing to stderr)"])[-1]
+
+
+def _logged_metrics_port(line: str, known: int) -> int:
+    try:
+        return int(json.loads(line).get("metrics_port", known))
+    except (ValueError, TypeError, AttributeError):
+        return known
+
+
+def _metrics_line(host: str, children: list[ChildStderr]) -> str:
+    ports = {child.role: child.metrics_port for child in children}
+    if all(port < 0 for port in ports.values()):
+        return "metrics off (--metrics-port N serves them)"
+    return "metrics " + ", ".join(f"http://{host}:{port}/metrics ({role})"
+                                  for role, port in sorted(ports.items()) if port >= 0)
 
 
 def _failed(child: ChildStderr, proc: subprocess.Popen, err: Exception) -> str:
@@ -93,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int,
                    default=int(os.environ.get("KVHANDOFF_METRICS_PORT") or -1),
                    help="decode's /metrics port; prefill's is the next one (0: free ones; -1: "
-                        "off; default from $KVHANDOFF_METRICS_PORT)")
+                        "off; $KVHANDOFF_METRICS_PORT when set)")
     p.add_argument("--max-context-tokens", type=int, default=0,
                    help="context window (0: the model's)")
     p.add_argument("--pool-tokens", type=int, default=None,
@@ -116,7 +139,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     p.add_argument("--prefill-chunk-tokens", type=int, default=None,
                    help="prefill's chunk: the most tokens of one prompt per forward pass "
-                        "(default: prefill's own)")
+                        "(none: prefill's own)")
     p.add_argument("--prefill-args", default="", help="extra flags for prefill, one string")
     p.add_argument("--decode-args", default="", help="extra flags for decode, one string")
     p.add_argument("--data-plane", default="auto",
@@ -201,6 +224,11 @@ def _metrics_ports(port: int) -> tuple[int, int]:
 
 def up(argv: list[str]) -> int:
     args = parser().parse_args(argv)
+    from kvhandoff_cli.up_checks import refusal
+
+    if problem := refusal(args):  # before any child starts: said once, nothing loaded
+        print(f"kvhandoff up: refusing to start: {problem}", file=sys.stderr)
+        return 2
     try:
         audit_fraction = _fraction(args.verify_full_fraction, "--verify-full-fraction")
     except ValueError as err:
@@ -297,7 +325,7 @@ def up(argv: list[str]) -> int:
                   f"max prompt {limit} tokens; prefill pool {_pool_line(prefill_address)}, "
                   f"decode pool {_pool_line(address, bearer)}; data plane "
                   f"{_plane_line(prefill_address, args.data_plane)}; "
-                  f"{_placement_line(placement)}"
+                  f"{_placement_line(placement)}; {_metrics_line(args.host, children)}"
                   + (f"; {DEMO_NOTE}" if args.model == "demo" else ""), flush=True)
             decode_ready = True
             procs = [child.proc for child in children]
