@@ -91,6 +91,7 @@ class DecodeConfig:
     api_tokens: str = ""  # a file of `TENANT TOKEN` lines (common/server/tenants.py)
     api_tls_cert: str = ""
     api_tls_key: str = ""
+    http_port: int = -1  # the OpenAI-compatible HTTP API (decode_svc/http): -1 off, 0 any free
     local_prefill: bool = False
     allow_protocol_1_0: bool = False
     content_checks: bool = True

@@ -27,6 +27,7 @@ from decode_svc.cache_scope import identity_of_calls
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import HandoffPolicy, InlineReceiver
+from decode_svc.http.app import serve_openai
 from decode_svc.local_prefill import LocalPrefillEngine, LocalPrefillReceiver, agree_locally
 from decode_svc.plane_select import NegotiatedReceiver, plane_for
 from decode_svc.prefill_client import PrefillClient
@@ -51,6 +52,8 @@ class RunningDecode:
     metrics_port: int
     log: object
     auth: TenantAuth | None = None  # None: the client API checks no tokens
+    http: object = None  # the OpenAI-compatible HTTP API's aiohttp runner (None: off)
+    http_port: int = -1
 
 
 def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits | None
@@ -209,14 +212,17 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     server, port, health = await create_server(register, svc.host, svc.port, api_tls, 4 << 20,
                                                interceptors)
     metrics_port = metrics.serve_http(svc.host, svc.metrics_port) if svc.metrics_port >= 0 else -1
+    http, http_port = await serve_openai(config, generation.lifecycle, health, metrics.registry,
+                                         auth, log)
     await asyncio.to_thread(warm_up, runtime)  # health keeps answering meanwhile
     engine.start()
     task = asyncio.ensure_future(
         agree_locally(config, runtime, state, health, SERVICE_NAMES, log) if config.local_prefill
         else handshake(config, runtime, client, state, health, log, NIXL in nixl))
     log.info("listening", role="decode", address=f"{svc.host}:{port}", metrics_port=metrics_port,
-             prefill=config.prefill_target)
-    return RunningDecode(server, port, health, engine, client, task, metrics_port, log, auth)
+             http_port=http_port, prefill=config.prefill_target)
+    return RunningDecode(server, port, health, engine, client, task, metrics_port, log, auth,
+                         http, http_port)
 
 
 def serve(config: DecodeConfig, port_file: Path | None = None) -> None:
@@ -229,6 +235,8 @@ def serve(config: DecodeConfig, port_file: Path | None = None) -> None:
 
         async def on_stop() -> None:
             running.handshake.cancel()
+            if running.http is not None:
+                await running.http.cleanup()
             running.engine.stop()
             await running.client.close()
 

@@ -99,6 +99,8 @@ ROLE_HELP = {
                   "tenant each names (reloaded on SIGHUP; not with --api-token)",
     "api_tls_cert": "PEM certificate for the client API (TLS)",
     "api_tls_key": "PEM key for --api-tls-cert",
+    "http_port": "OpenAI-compatible HTTP API port: /v1/models, /v1/completions, "
+                 "/v1/chat/completions, /health, /metrics (-1: off, 0: any free port)",
     "local_prefill": "compute prompts' KV in this process instead of asking prefill "
                      "(a baseline for benchmarks)",
 }
@@ -120,7 +122,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "max_batch": (1, None), "max_waiting": (0, None), "default_max_tokens": (1, None),
     "handoff_timeout_s": (0.001, None), "max_chunk_bytes": (1, None),
     "prefill_info_interval_s": (0.01, None), "verify_depth_positions": (0, 1024),
-    "verify_full_fraction": (0, 1),
+    "verify_full_fraction": (0, 1), "http_port": (-1, 65535),
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
     "nixl_read_timeout_s": (0.001, None), "torch_threads": (0, 1024),
 }
