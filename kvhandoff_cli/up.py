@@ -289,7 +289,8 @@ def up(argv: list[str]) -> int:
                 child.proc.send_signal(signal.SIGHUP)
 
     signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGHUP, reload_tokens)
+    if args.api_tokens:  # else decode has no file to reload: SIGHUP keeps its default
+        signal.signal(signal.SIGHUP, reload_tokens)
     signal.signal(signal.SIGINT, stop)
     with tempfile.TemporaryDirectory() as tmp:
         try:
