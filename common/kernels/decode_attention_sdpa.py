@@ -64,7 +64,8 @@ def decode_attention_sdpa(
             own = page_table[b, :pages].long()
             keys = k_cache.index_select(0, own).flatten(0, 1)[:n]
             values = v_cache.index_select(0, own).flatten(0, 1)[:n]
-        o = F.scaled_dot_product_attention(queries[b], keys.transpose(0, 1),
-                                           values.transpose(0, 1), scale=scale)  # [Hkv, G, D]
-        out[b] = o.reshape(num_q_heads, head_dim)
+        # 4-D operands: torch's fused CPU kernel (3-D ones measured 1.4x slower)
+        o = F.scaled_dot_product_attention(queries[b:b + 1], keys.transpose(0, 1)[None],
+                                           values.transpose(0, 1)[None], scale=scale)
+        out[b] = o.reshape(num_q_heads, head_dim)  # from [1, Hkv, G, D]
     return out
