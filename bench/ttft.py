@@ -3,7 +3,8 @@ plane, as TTFT(disaggregated over that plane) - TTFT(same engine in one process,
 --local-prefill).
 
     kvhandoff bench ttft [--lengths 512,2048,8192] [--planes inline,shared-memory]
-                         [--repeats 5] [--compare-checks] [--json OUT]
+                         [--repeats 5] [--compare-checks] [--verify-full-fraction 0,1]
+                         [--json OUT]
 
 Each plane is its own prefill + decode pair, decode started with `--data-plane <plane>` (so a
 plane that cannot be used makes its decode refuse to start, never fall back); a plane added
@@ -23,6 +24,11 @@ with a longer window (RoPE needs nothing else) in a temporary directory.
 With --compare-checks one more deployment runs beside them: the first plane's pair with decode's
 content checks off (--no-content-checks), so the checks' cost is a paired difference too; the
 checks' own time per request is read from decode's `handoff_content_verified` log lines.
+
+With --verify-full-fraction F0,F1,... the first plane's pair runs with decode's audit sampling
+at F0 (SPEC.md D-49), and one more pair of that plane per further fraction, side by side: the
+audit's cost is TTFT(F) - TTFT(F0), paired per round, and TTFT(F) / TTFT(F0); the audits' own
+time per request is read from decode's `full_audit` log lines.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from common.server.grpc_server import run_async
 
 DEMO_WINDOW = 4096
 UNCHECKED = "disaggregated-unchecked"
+AUDIT = "audit-"  # + the fraction: the first plane's pair at a further --verify-full-fraction
 
 
 def log_seconds(decode_log: Path, event_name: str) -> dict[int, list[float]]:
@@ -123,8 +130,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--server-args", default="", help="extra flags for every service")
     p.add_argument("--compare-checks", action="store_true",
                    help="also run the first plane's pair with decode's content checks off")
+    p.add_argument("--verify-full-fraction", default="", metavar="F0,F1,...",
+                   help="decode's audit sampling: the first plane's pair at F0, and one more "
+                        "pair of that plane per further fraction, side by side (empty: decode's "
+                        "default, no extra pair)")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
+    try:
+        fractions = [_fraction(x) for x in args.verify_full_fraction.split(",") if x.strip()]
+    except ValueError as err:
+        p.error(f"--verify-full-fraction: {err}")
+    if len(set(fractions)) != len(fractions):
+        p.error("--verify-full-fraction: each fraction once")
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     planes = [x.strip() for x in args.planes.split(",") if x.strip()]
     if not planes or "local" in planes or UNCHECKED in planes:
@@ -137,7 +154,14 @@ def main(argv: list[str]) -> int:
         pool = max(window // 16 + 2, 256) * 16  # whole pages, at least the window
         flags = ["--model", model, "--pool-tokens", str(pool), "--max-context-tokens",
                  str(window), *args.server_args.split()]
-        plans = [(plane, "disaggregated", ["--data-plane", plane]) for plane in planes]
+        plans = []
+        for i, plane in enumerate(planes):
+            first_audit = _audit_flags(fractions[0]) if i == 0 and fractions else []
+            plans.append((plane, "disaggregated", ["--data-plane", plane, *first_audit]))
+        audits = [f"{AUDIT}{f:g}" for f in fractions[1:]]
+        for name, fraction in zip(audits, fractions[1:]):
+            plans.append((name, "disaggregated", ["--data-plane", planes[0],
+                                                  *_audit_flags(fraction)]))
         if args.compare_checks:
             plans.append((UNCHECKED, "disaggregated",
                           ["--data-plane", planes[0], "--no-content-checks"]))
@@ -158,6 +182,8 @@ def main(argv: list[str]) -> int:
             checks_s = {name: log_seconds(logs[name], "handoff_content_verified")
                         for name in planes}
             local_s = log_seconds(logs["local"], "prefilled_locally")
+            audit_s = {name: log_seconds(logs[name], "full_audit")
+                       for name in [planes[0], *audits]}
         finally:
             for deployment in deployments.values():
                 deployment.stop()
@@ -185,6 +211,18 @@ def main(argv: list[str]) -> int:
             row |= {"ttft_unchecked_ms": statistics.median(unchecked) * 1e3,
                     "checks_cost_ms": cost * 1e3,
                     "checks_cost_share": cost / statistics.median(unchecked)}
+        if audits:
+            base = per_mode[planes[0]][length]
+            row["audits"] = {f"{fractions[0]:g}": {
+                "ttft_ms": statistics.median(base) * 1e3,
+                "audit_log_ms": _median_ms(audit_s[planes[0]].get(length, []))}}
+            for name, fraction in zip(audits, fractions[1:]):
+                ttft = per_mode[name][length]
+                row["audits"][f"{fraction:g}"] = {
+                    "ttft_ms": statistics.median(ttft) * 1e3,
+                    "cost_ms": statistics.median(a - b for a, b in zip(ttft, base)) * 1e3,
+                    "ttft_ratio": statistics.median(ttft) / statistics.median(base),
+                    "audit_log_ms": _median_ms(audit_s[name].get(length, []))}
         rows.append(row)
     _print(args, planes, rows)
     if args.json:
@@ -192,6 +230,17 @@ def main(argv: list[str]) -> int:
                                          "torch_threads": args.torch_threads, "planes": planes,
                                          "rows": rows}, indent=2))
     return 0
+
+
+def _audit_flags(fraction: float) -> list[str]:
+    return ["--verify-full-fraction", repr(fraction)]
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{text.strip()} is not in [0, 1]")
+    return value
 
 
 def _ms(value: float | None) -> str:
@@ -212,6 +261,16 @@ def _print(args, planes: list[str], rows: list[dict]) -> None:
                   f"{_ms(c['checks_log_ms']):>10} {_ms(c['exposed_log_ms']):>13}")
     print("(from decode's log: handoff = queued to verified; exposed (log) = handoff - checks - "
           "the local prefill's own time, medians, so noisier than the paired TTFTs)")
+    if any("audits" in r for r in rows):
+        print(f"\n{'prompt':>7} {'audit F':>8} {'TTFT ms':>9} {'paired cost ms':>15} "
+              f"{'TTFT / TTFT(F0)':>16} {'audit ms (log)':>15}  ({planes[0]})")
+        for r in rows:
+            for fraction, c in r["audits"].items():
+                ratio = c.get("ttft_ratio")
+                print(f"{r['prompt_tokens']:>7} {fraction:>8} {c['ttft_ms']:>9.1f} "
+                      f"{_ms(c.get('cost_ms')):>15} "
+                      f"{'-' if ratio is None else f'{ratio:.2f}x':>16} "
+                      f"{_ms(c['audit_log_ms']):>15}")
     if args.compare_checks:
         print(f"\n{'prompt':>7} {'TTFT unchecked ms':>18} {'paired cost ms':>15} "
               f"{'cost / TTFT':>12}  ({planes[0]})")
