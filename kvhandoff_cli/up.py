@@ -41,6 +41,7 @@ class ChildStderr:
         self.proc = proc
         self.lines: collections.deque[str] = collections.deque(maxlen=50)
         self.metrics_port = -1
+        self.http_port = -1  # decode's OpenAI-compatible API, as it logged it
         self._thread = threading.Thread(target=self._copy, args=(proc.stderr,), daemon=True)
         self._thread.start()
 
@@ -49,6 +50,7 @@ class ChildStderr:
             self.lines.append(line.rstrip("\n"))
             if '"metrics_port"' in line:
                 self.metrics_port = _logged_metrics_port(line, self.metrics_port)
+                self.http_port = _logged_metrics_port(line, self.http_port, "http_port")
             if line.startswith(f"kvhandoff {self.role}:"):
                 continue  # up says it, in the line that names the child
             sys.stderr.write(line)
@@ -61,9 +63,9 @@ class ChildStderr:
         return (own or lines or ["(it wrote nothing to stderr)"])[-1]
 
 
-def _logged_metrics_port(line: str, known: int) -> int:
+def _logged_metrics_port(line: str, known: int, key: str = "metrics_port") -> int:
     try:
-        return int(json.loads(line).get("metrics_port", known))
+        return int(json.loads(line).get(key, known))
     except (ValueError, TypeError, AttributeError):
         return known
 
@@ -74,6 +76,11 @@ def _metrics_line(host: str, children: list[ChildStderr]) -> str:
         return "metrics off (--metrics-port N serves them)"
     return "metrics " + ", ".join(f"http://{host}:{port}/metrics ({role})"
                                   for role, port in sorted(ports.items()) if port >= 0)
+
+
+def _http_line(host: str, children: list[ChildStderr]) -> str:
+    port = next((child.http_port for child in children if child.role == "decode"), -1)
+    return f"; OpenAI-compatible API at http://{host}:{port}/v1" if port >= 0 else ""
 
 
 def _failed(child: ChildStderr, proc: subprocess.Popen, err: Exception) -> str:
@@ -112,6 +119,9 @@ def parser() -> argparse.ArgumentParser:
                    help="'demo' (built in, random weights) or a Hugging Face checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address both services bind")
     p.add_argument("--port", type=int, default=50051, help="client-facing (decode) port")
+    p.add_argument("--http-port", type=int, default=-1,
+                   help="decode's OpenAI-compatible HTTP API port (/v1/completions, "
+                        "/v1/chat/completions, /v1/models; 0: a free one; -1: off)")
     p.add_argument("--prefill-port", type=int, default=0, help="prefill's port (0: a free one)")
     p.add_argument("--metrics-port", type=int,
                    default=int(os.environ.get("KVHANDOFF_METRICS_PORT") or -1),
@@ -250,6 +260,7 @@ def up(argv: list[str]) -> int:
     prefill_metrics, decode_metrics = _metrics_ports(args.metrics_port)
     try:
         for port, flag in ((args.port, "--port"), (args.prefill_port, "--prefill-port"),
+                           (args.http_port, "--http-port"),
                            (decode_metrics, "--metrics-port"),
                            (prefill_metrics, "--metrics-port (plus one, for prefill)")):
             if port > 0:
@@ -308,6 +319,7 @@ def up(argv: list[str]) -> int:
                 "decode", [*cli, "decode", *common, "--port", str(args.port), "--prefill",
                            prefill_address, "--pool-tokens", str(args.decode_pool_tokens),
                            "--data-plane", args.data_plane, "--metrics-port", str(decode_metrics),
+                           "--http-port", str(args.http_port),
                            "--verify-full-fraction", repr(audit_fraction),
                            *(["--api-tokens", str(args.api_tokens.resolve())]
                              if args.api_tokens else []),
@@ -327,6 +339,7 @@ def up(argv: list[str]) -> int:
                   f"decode pool {_pool_line(address, bearer)}; data plane "
                   f"{_plane_line(prefill_address, args.data_plane)}; "
                   f"{_placement_line(placement)}; {_metrics_line(args.host, children)}"
+                  f"{_http_line(args.host, children)}"
                   + (f"; {DEMO_NOTE}" if args.model == "demo" else ""), flush=True)
             decode_ready = True
             procs = [child.proc for child in children]
