@@ -14,12 +14,14 @@ import re
 import grpc
 import pytest
 import structlog
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.log import make_logger
 from common.server.auth import BearerTokenInterceptor, call_tenant
 from common.server.tenant_auth import TenantAuth
-from common.server.tenants import (TenantsFileError, TenantTable, TenantTokens,
+from common.server.tenants import (TENANT_NAME, TenantsFileError, TenantTable, TenantTokens,
                                    read_token_entries)
 from decode_svc.cache_scope import cache_scope, identity_of_calls
 
@@ -210,3 +212,33 @@ def test_tenant_auth_counts_reloads_and_logs_why_one_failed(tokens_file):
 def test_the_interceptor_still_takes_one_token():
     interceptor = BearerTokenInterceptor(BOB)
     assert interceptor.authorized(_bearer(BOB)) and not interceptor.authorized(_bearer(ALICE))
+
+
+NAMES = st.one_of(st.from_regex(r"[a-zA-Z0-9][a-zA-Z0-9._-]{0,6}", fullmatch=True),
+                  st.text(alphabet="abAB09._-/ #é", min_size=0, max_size=6))
+TOKEN_TEXTS = st.one_of(st.sampled_from(["xy", "x#y", "x=/+", "zz"]),  # repeats: duplicates
+                        st.text(alphabet="xyzXYZ019#/=+-é ", min_size=0, max_size=12)).map(
+    lambda s: "tk" + s + "q")  # "tk...q": never a piece of the path or of a message's words
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(NAMES, TOKEN_TEXTS), min_size=0, max_size=5))
+def test_any_file_loads_exactly_or_is_refused_without_a_token(tmp_path, pairs):
+    path = tmp_path / "tokens"
+    path.write_text("".join(f"{name} {token}\n" for name, token in pairs))
+    lines = [f"{name} {token}".split() for name, token in pairs]
+    entries = [fields for fields in lines if not fields[0].startswith("#")]  # not comments
+    valid = (bool(entries) and len({fields[-1] for fields in entries}) == len(entries)
+             and all(len(fields) == 2 and TENANT_NAME.fullmatch(fields[0])
+                     and fields[0] != "unauthenticated" and fields[1].isascii()
+                     for fields in entries))
+    try:
+        table = TenantTable.from_file(path)
+    except TenantsFileError as err:
+        assert not valid, str(err)
+        assert "\n" not in str(err) and not any(token in str(err) for _, token in pairs)
+        return
+    assert valid
+    assert all(table.tenant_of(_bearer(token)) == name for name, token in entries)
+    assert len(table.by_digest) == len(entries)
