@@ -10,8 +10,9 @@ disaggregated pair and for the same engine in one process (decode --local-prefil
 
 It starts the services itself (processes on 127.0.0.1, `--model`, pool and page flags shared
 by every service) unless --target names a running decode. Every mode gets the same requests
-(same seed) and the same loads. Prompts are random token ids; generation ignores end of
-sequence so that output lengths are the ones drawn.
+(same seed) and the same loads; each load draws its own prompts (seed + 1000 x its index), so
+that no load is served from a prefix cache the one before filled. Prompts are random token
+ids; generation ignores end of sequence so that output lengths are the ones drawn.
 
 `--backend openai --url http://127.0.0.1:8000/v1` sends the same requests (same seed, lengths,
 concurrency and timing code) to any OpenAI-compatible server as streaming /v1/completions
@@ -43,6 +44,9 @@ from bench.serve_client import GrpcBackend, LengthRange, make_requests, run_load
 from bench.serve_report import print_headline, print_table, summarize, write_plots
 from bench.servers import MODES, model_vocab_size, start_deployment
 from common.server.grpc_server import run_async
+
+
+LOAD_SEED_STRIDE = 1000  # load i's prompts come from seed + 1000 i (the warm-up's: seed + 1)
 
 
 def _floats(text: str) -> list[float]:
@@ -140,13 +144,15 @@ def point_name(input_len: str, output_len: str, load: str) -> str:
     return f"in {input_len}, out {output_len}, {load}"
 
 
-def run_mode(mode: str, backend, pids: list[int], args, specs, warmups, loads, results,
+def run_mode(mode: str, backend, pids: list[int], args, load_specs, warmups, loads, results,
              runs) -> None:
+    """load_specs[i]: the requests of loads[i]."""
     run_async(lambda: warm_up(backend, warmups, args.request_timeout))
-    for rate, concurrency in loads:
+    for (rate, concurrency), specs in zip(loads, load_specs):
         load = _load_name(rate, concurrency)
         cpu_before = tree_cpu_seconds(pids) if pids else None
-        got, duration = run_async(lambda rate=rate, concurrency=concurrency, load=load: run_load(
+        got, duration = run_async(lambda rate=rate, concurrency=concurrency, load=load,
+                                  specs=specs: run_load(
             backend, specs, rate, concurrency, args.seed, args.request_timeout,
             _progress(f"{mode}, {load}")))
         summary = summarize(got, duration, args.slo_ttft_ms, args.slo_tpot_ms)
@@ -216,11 +222,14 @@ def main(argv: list[str]) -> int:
     except (ValueError, RuntimeError) as err:
         parser().error(str(err))
     vocab = args.vocab_size or model_vocab_size(args.model)
-    specs = make_requests(args.num_prompts, args.input_len, args.output_len, vocab, args.seed,
-                          args.shared_prefix_len, args.cache_salt)
+    loads = [(rate, c) for rate in args.request_rate for c in args.max_concurrency]
+    # every load its own prompts (a server's prefix cache would serve a repeat from the last
+    # load), the same ones in every mode and system
+    specs = [make_requests(args.num_prompts, args.input_len, args.output_len, vocab,
+                           args.seed + LOAD_SEED_STRIDE * i, args.shared_prefix_len,
+                           args.cache_salt) for i in range(len(loads))]
     warmups = make_requests(args.warmup_requests, args.input_len, LengthRange(4, 4), vocab,
                             args.seed + 1, args.shared_prefix_len, args.cache_salt + "-warm-up")
-    loads = [(rate, c) for rate in args.request_rate for c in args.max_concurrency]
     flags = ["--model", args.model, "--page-size", str(args.page_size), "--pool-tokens",
              str(args.pool_tokens), "--max-context-tokens", str(args.max_context_tokens),
              *shlex.split(args.server_args)]

@@ -178,7 +178,11 @@ def test_a_run_and_the_compare_of_two_runs_print_the_ratios(served, tmp_path, ca
             "--num-prompts", "3", "--warmup-requests", "1", "--input-len", "9",
             "--output-len", "4", "--max-concurrency", "1,2"]
     assert serve.main([*args, "--label", "theirs", "--json", str(tmp_path / "a.json")]) == 0
+    first = [tuple(body["prompt"]) for body in served.fake.bodies]
     assert serve.main([*args, "--label", "ours", "--json", str(tmp_path / "b.json")]) == 0
+    second = [tuple(body["prompt"]) for body in served.fake.bodies[len(first):]]
+    assert sorted(first) == sorted(second)  # the same requests for both systems
+    assert len(set(first)) == 1 + 3 + 3  # the warm-up's, then each load its own prompts
     capsys.readouterr()
     assert serve.main(["--compare", str(tmp_path / "b.json"), str(tmp_path / "a.json")]) == 0
     table = capsys.readouterr().out
