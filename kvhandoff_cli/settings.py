@@ -337,6 +337,9 @@ def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None
     for name, needs in REQUIRES:
         if values.get(name) and not values.get(needs):
             problems.append(f"{label(name)}: {name} is set but {needs} is not; set both")
+    if values.get("verify_full_fraction") and values.get("content_checks") is False:
+        problems.append(f"{label('verify_full_fraction')}: the audit is one of the content "
+                        "checks; it cannot run with --no-content-checks (drop one of them)")
     if values.get("api_token") and values.get("api_tokens"):
         problems.append(f"{label('api_tokens')}: api_tokens and api_token are both set; "
                         "use one (the single token is the line 'default TOKEN' in the "

@@ -12,10 +12,12 @@ F = 0 decode accepts the fault every time: that is what shows the test can fail.
 from __future__ import annotations
 
 import random
+import urllib.request
 
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from common.counters import Counters
 from common.handoff.reasons import HandoffRefused
@@ -123,6 +125,17 @@ def test_a_last_layer_fault_is_refused_by_every_audit_and_accepted_without(decod
     assert after.get(AUDITS_REFUSED, 0) - before.get(AUDITS_REFUSED, 0) == len(wheres)
     assert plain.decode.stats().counters.get(AUDITS, 0) == 0
     assert audited.refused_counts().get("KV_DEPTH_MISMATCH", 0) >= len(wheres)
+    events = audit_events(audited.metrics_url)
+    assert events[AUDITS] >= len(wheres) and events[AUDITS_REFUSED] >= len(wheres), events
+
+
+def audit_events(url: str) -> dict[str, float]:
+    """The audit counters as /metrics exports them (kvhandoff_engine_events_total)."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {s.labels["event"]: s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name == "kvhandoff_engine_events_total"
+            and s.labels.get("event") in (AUDITS, AUDITS_REFUSED)}
 
 
 async def _generate(target, prompt: list[int], sampling: common_pb2.SamplingParams) -> list[int]:
@@ -167,6 +180,14 @@ def test_c_bad_fractions_are_one_line_refusals(capsys, value):
     assert up(["--verify-full-fraction", value]) == 2  # before starting anything
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--verify-full-fraction" in err, err
+
+
+def test_c_an_audit_without_content_checks_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["decode", "--verify-full-fraction", "0.5", "--no-content-checks"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--no-content-checks" in err, err
 
 
 def test_the_draw_is_never_at_zero_always_at_one_and_unseeded():
