@@ -242,3 +242,17 @@ def test_the_tls_ca_check_reads_only_pem(tmp_path: Path):
     key.write_text("-----BEGIN CERTIFICATE-----\n")
     with pytest.raises(TlsFileError, match="--tls-key .*not a PEM private key"):
         read_pem(str(key), "--tls-key")
+
+
+# 14: --help of the services, and up's refusals of its flags, load no torch
+@pytest.mark.parametrize("argv", [["prefill", "--help"], ["decode", "--help"],
+                                  ["up", "--port", "70000"]])
+def test_help_and_flag_refusals_do_not_import_torch(argv):
+    """`python -X importtime` lists every module the command imported."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvhandoff_cli.main",
+                             *argv], cwd=REPO, capture_output=True, text=True, timeout=60,
+                            check=False)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "kvhandoff_cli.settings" in imported or "kvhandoff_cli.up" in imported  # real
+    assert not {name for name in imported if name.split(".")[0] == "torch"}
