@@ -51,9 +51,27 @@ def _check_ports(service) -> None:
         check_port_free(service.host, service.metrics_port, "--metrics-port")
 
 
+# Flags whose empty value would quietly turn a protection off (`--api-token "$TOKEN"` with
+# TOKEN unset runs the client API without a token): given empty on the command line, refused.
+NOT_EMPTY = ("--api-token",)
+
+
+def _given_empty(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        for flag in NOT_EMPTY:
+            if arg == f"{flag}=" or arg == flag and i + 1 < len(argv) and argv[i + 1] == "":
+                return flag
+    return None
+
+
 def run_service(role: str, argv: list[str]) -> int:
     from kvhandoff_cli.settings import apply_sources, build_config
 
+    if flag := _given_empty(argv):
+        print(f"kvhandoff {role}: refusing to start: {flag} is empty (an unset shell "
+              f"variable?), which would run the client API without a token; give the token, "
+              f"or leave {flag} out to run without one", file=sys.stderr)
+        return 2
     parser = _service_parser(role)
     ns = apply_sources(parser, argv, role)
     try:

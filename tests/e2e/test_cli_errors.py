@@ -256,3 +256,10 @@ def test_help_and_flag_refusals_do_not_import_torch(argv):
                 if line.startswith("import time:")}
     assert "kvhandoff_cli.settings" in imported or "kvhandoff_cli.up" in imported  # real
     assert not {name for name in imported if name.split(".")[0] == "torch"}
+
+
+# 11: an empty --api-token (an unset $TOKEN) would run the API without a token: refused
+@pytest.mark.parametrize("argv", [["--api-token", ""], ["--api-token="]])
+def test_an_empty_api_token_is_refused(argv):
+    line = one_line(run("decode", "--port", "0", *argv), 2)
+    assert line.startswith("kvhandoff decode: refusing to start: --api-token is empty"), line
