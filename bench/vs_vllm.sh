@@ -39,7 +39,7 @@ for len in $LENS; do [ -f "$OUT/ours-$len.json" ] && files+=("$OUT/ours-$len.jso
 if [ -z "${VLLM_PID:-}" ]; then
   echo "vLLM: starting on CPUs $CPUS (log $OUT/vllm.log)" >&2
   VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} \
-    VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-$CPUS} \
+    VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-auto} \
     "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$CKPT" --host 127.0.0.1 \
     --port "$VLLM_PORT" --dtype float32 > "$OUT/vllm.log" 2>&1 &
   VLLM_PID=$!
