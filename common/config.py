@@ -105,3 +105,6 @@ class DecodeConfig:
     verify_full_fraction: float = 0.0  # share of handoffs decode recomputes in full (D-49)
     data_plane: str = "inline"  # inline, shared-memory, nixl, or auto (the fastest both offer)
     nixl_read_timeout_s: float = 5.0  # a NIXL READ of one chunk not done by then is refused
+    prefill_choice: str = "prefix"  # prefix (rendezvous + load) or round-robin (prefill_choice.py)
+    prefill_busy_slack: int = 4  # the favourite is busy at this many more in flight than the least
+    handoff_retries: int = 2  # retries of a failed handoff on other replicas, before any token

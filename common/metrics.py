@@ -25,6 +25,8 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 # Why a request that was admitted ended: the proto's finish reasons, a client that went away or
 # hit its deadline, or an error after admission (refusals before it are kvhandoff_refused_total).
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# Why decode asked for a handoff again on another prefill replica (decode_svc/handoff_retry.py).
+RETRY_REASONS = ("transport", "refused")
 
 
 class _CountersCollector:
@@ -120,6 +122,13 @@ class ServiceMetrics:
                                      registry=r)
             for reason in FINISH_REASONS:  # every reason exported from the start, at 0
                 self._finished.labels(*own, reason)
+            self._retried = Counter("kvhandoff_handoff_retried_total", "Handoffs asked again "
+                                    "on another prefill replica before any token was sent, by "
+                                    "why: transport or refused", [*names, "reason"], registry=r)
+            for reason in RETRY_REASONS:
+                self._retried.labels(*own, reason)
+            self._ejected = counter("kvhandoff_prefill_ejected_total", "Prefill replicas "
+                                    "ejected from the choice by their circuit breaker")
         else:
             self._prefill = histogram("kvhandoff_prefill_seconds",
                                       "Forward pass time of the batch that held the request")
@@ -172,6 +181,14 @@ class ServiceMetrics:
         """Decode: an admitted request that did not complete: cancelled or error."""
         self._finished.labels(*self._own, reason).inc()
 
+    def retried(self, reason: str) -> None:
+        """Decode: a handoff asked again on another prefill replica (reason: RETRY_REASONS)."""
+        self._retried.labels(*self._own, reason).inc()
+
+    def ejected(self) -> None:
+        """Decode: a prefill replica's circuit breaker opened."""
+        self._ejected.inc()
+
     def prefill(self, seconds: float, tokens: int, requests: int = 1) -> None:
         """Prefill: one forward pass over `requests` prompts totalling `tokens` tokens."""
         for _ in range(requests):
@@ -215,6 +232,12 @@ class NullMetrics:
         pass
 
     def ended(self, reason: str) -> None:
+        pass
+
+    def retried(self, reason: str) -> None:
+        pass
+
+    def ejected(self) -> None:
         pass
 
 

@@ -27,6 +27,7 @@ from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 from decode_svc.prefill_client import PrefillClient
+from decode_svc.prefill_replicas import PrefillReplicas
 
 # A hook that turns a received frame into the frame the verifier reads: the out-of-band planes
 # replace a chunk's reference by decode's own copy of the bytes it names (or refuse it). It may
@@ -57,7 +58,7 @@ def handoff_budget(timeout: float) -> float:
     return timeout - min(DEADLINE_MARGIN_MAX_S, DEADLINE_MARGIN_FRACTION * timeout)
 
 
-async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
+async def receive_handoff(client: PrefillClient | PrefillReplicas, engine: DecodeEngine,
                           request: handoff_pb2.PrefillRequest, expect: Expectation,
                           timeout: float, record: TransferRecord | None = None,
                           resolve: Resolve | None = None, deliver: Deliver | None = None
@@ -67,10 +68,11 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
     each verified chunk instead of the engine's write."""
     record = record or TransferRecord(request.request_id, "inline")
     verifier = HandoffVerifier(expect)
-    call = client.prefill(request, handoff_budget(timeout))
+    call = None
     received = 0
     started = time.monotonic()
     try:
+        call = client.prefill(request, handoff_budget(timeout))  # may refuse: no replica
         async for frame in call:
             if resolve is not None:
                 frame = resolve(frame)
@@ -98,7 +100,8 @@ async def receive_handoff(client: PrefillClient, engine: DecodeEngine,
         record.move(TransferState.FAILED, getattr(err, "reason", type(err).__name__))
         raise
     finally:
-        call.cancel()  # a no-op once the call is done; stops prefill's work otherwise
+        if call is not None:
+            call.cancel()  # a no-op once the call is done; stops prefill's work otherwise
 
 
 def write_chunk(engine: DecodeEngine, request_id: str, chunk: VerifiedChunk) -> None:

@@ -1,15 +1,14 @@
-"""Decode's channel to prefill: the info handshake and the handoff stream.
+"""Decode's channel to one prefill replica: the info handshake and the handoff stream.
 
-One channel for all prefill replicas: a DNS name with several addresses is balanced by gRPC's
-own round_robin policy. Handoff frames arrive as raw bytes (no deserializer on the call) and are
-parsed by the wire codec: a chunk in the canonical encoding costs O(header) and its payload is
-not copied; any other frame goes through protobuf, in a worker thread when it is large.
+One channel per replica (decode_svc.prefill_replicas owns them and chooses among them per
+handoff). Handoff frames arrive as raw bytes (no deserializer on the call) and are parsed by the
+wire codec: a chunk in the canonical encoding costs O(header) and its payload is not copied; any
+other frame goes through protobuf, in a worker thread when it is large.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -22,11 +21,6 @@ from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 from common.server.grpc_server import TlsFiles
 
 FRAME_OVERHEAD_BYTES = 64 << 10
-# round_robin over every address of the target, skipping replicas whose grpc.health.v1 Watch
-# says NOT_SERVING (warming up, or draining after SIGTERM) while they finish their own work.
-SERVICE_CONFIG = json.dumps({
-    "loadBalancingConfig": [{"round_robin": {}}],
-    "healthCheckConfig": {"serviceName": "kvhandoff.v1.HandoffService"}})
 PREFILL_METHOD = "/kvhandoff.v1.HandoffService/Prefill"
 # A frame the fast path does not take and that is at least this large is parsed off the loop.
 LARGE_FRAME_BYTES = 64 << 10
@@ -65,18 +59,28 @@ class HandoffStream:
     def cancel(self) -> bool:
         return self._call.cancel()
 
+    def add_done_callback(self, callback) -> None:
+        """callback(call) once the call is done, however it ended (gRPC's own hook)."""
+        self._call.add_done_callback(callback)
+
 
 class PrefillClient:
-    def __init__(self, target: str, max_chunk_bytes: int, tls: TlsFiles | None) -> None:
+    """One replica's channel. tls_name: the name its certificate must carry when target is an
+    address that DNS gave for that name."""
+
+    def __init__(self, target: str, max_chunk_bytes: int, tls: TlsFiles | None,
+                 tls_name: str | None = None) -> None:
         options = [
             ("grpc.max_receive_message_length", max_chunk_bytes + FRAME_OVERHEAD_BYTES),
-            ("grpc.service_config", SERVICE_CONFIG),
             ("grpc.enable_retries", 0),
             ("grpc.initial_reconnect_backoff_ms", 500),
             ("grpc.max_reconnect_backoff_ms", 5000),
             ("grpc.http2.max_frame_size", (1 << 24) - 1),
         ]
+        if tls and tls_name:
+            options.append(("grpc.ssl_target_name_override", tls_name))
         self.target = target
+        self.tls_name = tls_name
         self.channel = (grpc.aio.secure_channel(target, tls.channel_credentials(), options)
                         if tls else grpc.aio.insecure_channel(target, options))
         self.stub = handoff_pb2_grpc.HandoffServiceStub(self.channel)
@@ -84,9 +88,10 @@ class PrefillClient:
             PREFILL_METHOD, request_serializer=handoff_pb2.PrefillRequest.SerializeToString,
             response_deserializer=None, _registered_method=True)
 
-    async def info(self, timeout: float) -> handoff_pb2.GetPrefillInfoResponse:
+    async def info(self, timeout: float, wait_for_ready: bool = True
+                   ) -> handoff_pb2.GetPrefillInfoResponse:
         return await self.stub.GetPrefillInfo(handoff_pb2.GetPrefillInfoRequest(),
-                                              timeout=timeout, wait_for_ready=True)
+                                              timeout=timeout, wait_for_ready=wait_for_ready)
 
     def prefill(self, request: handoff_pb2.PrefillRequest, timeout: float) -> HandoffStream:
         """A streaming call; iterate it with `async for`, cancel it with `.cancel()`."""

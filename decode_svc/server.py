@@ -27,10 +27,12 @@ from decode_svc.cache_scope import identity_of_calls
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import HandoffPolicy, InlineReceiver
+from decode_svc.handoff_retry import RetryingReceiver
 from decode_svc.http.app import serve_openai
 from decode_svc.local_prefill import LocalPrefillEngine, LocalPrefillReceiver, agree_locally
 from decode_svc.plane_select import NegotiatedReceiver, plane_for
-from decode_svc.prefill_client import PrefillClient
+from decode_svc.prefill_choice import make_chooser
+from decode_svc.prefill_replicas import PrefillReplicas
 from decode_svc.servicer import GenerationServicer
 from decode_svc.nixl_receiver import nixl_receivers
 from decode_svc.shm_receiver import SharedMemoryReceiver
@@ -47,7 +49,7 @@ class RunningDecode:
     port: int
     health: object
     engine: DecodeEngine
-    client: PrefillClient
+    client: PrefillReplicas
     handshake: asyncio.Task
     metrics_port: int
     log: object
@@ -83,29 +85,45 @@ def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits |
     return limits, ""
 
 
+def _agree_replicas(config: DecodeConfig, runtime: Runtime, infos, current: DecodeLimits | None,
+                    nixl: bool):
+    """-> (limits, refusal, plane, info): `_agree` over every replica that answered (the first
+    refusal, naming its replica, wins; the strictest limits otherwise), one plane all of them
+    allow (with --data-plane auto, inline when they differ), and the info with the smallest
+    prompt limit (for the log)."""
+    limits, refusal, planes = current, "", set()
+    for name, info in infos:
+        limits, why = _agree(config, runtime, info, limits)
+        plane, plane_why = plane_for(config, info, nixl)
+        if why or plane_why:
+            refusal = f"prefill replica {name}: {why or plane_why}" if len(infos) > 1 else (
+                why or plane_why)
+            return None, refusal, INLINE, info
+        planes.add(plane)
+    plane = planes.pop() if len(planes) == 1 else INLINE  # a named plane: all agreed on it
+    return limits, "", plane, min((i for _, i in infos), key=lambda i: i.max_prompt_tokens)
+
+
 def speaks_bound_handoffs(info) -> bool:
     """Does the prefill advertise a 1.x version with the 1.1 binding?"""
     return any(v.major == PROTOCOL_MAJOR and v.minor >= PROTOCOL_MINOR_BOUND
                for v in info.protocol_versions)
 
 
-async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillClient,
+async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillReplicas,
                     state: DecodeState, health, log, nixl: bool = False) -> None:
-    """Asks prefill for its model, layout and limits, at start and then every
-    prefill_info_interval_s (each call may reach another replica behind round_robin). Decode
-    serves only once they agree, refuses everything when a replica differs in model or layout,
-    and keeps the strictest limits any replica reported."""
+    """Asks every prefill replica for its model, layout and limits, at start and then every
+    prefill_info_interval_s. Decode serves only once they agree, refuses everything when a
+    replica differs in model or layout, and keeps the strictest limits any replica reported."""
     while True:
         try:
-            info = await client.info(timeout=10.0)
+            infos = await client.infos(timeout=10.0)
         except grpc.aio.AioRpcError as err:
             log.warning("prefill_unreachable", target=client.target, code=err.code().name,
                         details=err.details())
             await asyncio.sleep(1.0)
             continue
-        limits, refusal = _agree(config, runtime, info, state.limits)
-        plane, why = plane_for(config, info, nixl)
-        refusal = refusal or why
+        limits, refusal, plane, info = _agree_replicas(config, runtime, infos, state.limits, nixl)
         if not refusal and plane != state.plane:
             log.info("data_plane_chosen", plane=plane, wanted=config.data_plane,
                      offered=sorted(offered(info)))
@@ -164,7 +182,12 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                     "handoffs (--no-content-checks): a prefill that sends well-formed KV of the "
                     "wrong tokens is not caught; use this only to measure the checks' cost")
     peer_tls = TlsFiles(svc.tls_cert, svc.tls_key, svc.tls_ca) if svc.tls_cert else None
-    client = PrefillClient(config.prefill_target, config.max_chunk_bytes, peer_tls)
+    client = PrefillReplicas(config.prefill_target, config.max_chunk_bytes, peer_tls,
+                             make_chooser(config.prefill_choice, config.prefill_busy_slack),
+                             runtime.capacity.page_size, log,
+                             resolve_interval_s=config.prefill_info_interval_s,
+                             on_eject=lambda name: (counters.add("prefill_ejected"),
+                                                    metrics.ejected()))
     state = DecodeState()
     allocator = runtime.pool.allocator
     metrics = ServiceMetrics("decode", lambda: allocator.num_pages,
@@ -172,7 +195,13 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                              engine.waiting_count, model_name=svc.model, counters=counters,
                              limits=capacity_gauges(
                                  runtime.capacity,
-                                 lambda: state.limits.prefill_max_prompt if state.limits else 0))
+                                 lambda: state.limits.prefill_max_prompt if state.limits else 0),
+                             gauges={"prefill_replicas_healthy": (
+                                         "Prefill replicas whose grpc.health.v1 says SERVING",
+                                         client.num_healthy),
+                                     "prefill_replicas_ejected": (
+                                         "Prefill replicas ejected by their circuit breaker "
+                                         "(cooling down)", client.num_ejected)})
     tokens = TenantTokens.from_settings(config.api_token, config.api_tokens)
     auth = TenantAuth(tokens, metrics.registry, "decode", svc.model, log) if tokens else None
     nixl = nixl_receivers(config, client, engine, counters, log)  # {} or {NIXL: receiver}
@@ -180,11 +209,13 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,
         runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
         config.handoff_timeout_s, refusals, metrics, log, policy,
-        LocalPrefillReceiver(engine) if config.local_prefill else NegotiatedReceiver(
-            {INLINE: InlineReceiver(client, engine),
-             SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}
-            | nixl, state,
-            fallback=config.data_plane == "auto", counters=counters),
+        LocalPrefillReceiver(engine) if config.local_prefill else RetryingReceiver(
+            NegotiatedReceiver(
+                {INLINE: InlineReceiver(client, engine),
+                 SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}
+                | nixl, state,
+                fallback=config.data_plane == "auto", counters=counters),
+            client, counters, metrics.retried, log, config.handoff_retries),
         identity_of_calls(auth is not None))
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,
@@ -216,6 +247,8 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                                          auth, log)
     await asyncio.to_thread(warm_up, runtime)  # health keeps answering meanwhile
     engine.start()
+    if not config.local_prefill:
+        await client.start()
     task = asyncio.ensure_future(
         agree_locally(config, runtime, state, health, SERVICE_NAMES, log) if config.local_prefill
         else handshake(config, runtime, client, state, health, log, NIXL in nixl))

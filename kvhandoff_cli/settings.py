@@ -86,7 +86,15 @@ ROLE_HELP = {
                               "the pool has; unread cached pages count as free)",
     "max_unsent_bytes": "KV bytes packed but not yet sent, over all streams; a slow decode "
                         "pauses its prefill beyond this",
-    "prefill_target": "prefill address HOST:PORT (a DNS name balances over replicas)",
+    "prefill_target": "prefill replicas HOST:PORT[,HOST:PORT...]; a DNS name stands for "
+                      "every address it resolves to (re-resolved), one replica each",
+    "prefill_choice": "how decode picks a prefill replica per request: prefix (the same "
+                      "scope and first page go to the same replica, unless it is busy) or "
+                      "round-robin",
+    "prefill_busy_slack": "handoffs in flight beyond the least loaded replica's at which a "
+                          "request's favourite replica counts as busy",
+    "handoff_retries": "times a handoff that failed before any token was sent is asked "
+                       "again on another prefill replica",
     "max_batch": "sequences in the running decode batch",
     "max_waiting": "requests waiting for pages or a batch slot before ADMISSION_QUEUE_FULL",
     "default_max_tokens": "max_tokens of a request that sets none",
@@ -125,10 +133,12 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "verify_full_fraction": (0, 1), "http_port": (-1, 65535),
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
     "nixl_read_timeout_s": (0.001, None), "torch_threads": (0, 1024),
+    "prefill_busy_slack": (1, None), "handoff_retries": (0, 5),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
            "kernels": ("auto", "triton", "torch", "cpu"),
-           "data_plane": ("inline", "shared-memory", "nixl", "auto")}
+           "data_plane": ("inline", "shared-memory", "nixl", "auto"),
+           "prefill_choice": ("prefix", "round-robin")}
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # (a, b): a is set only together with b.
 REQUIRES = [("tls_key", "tls_cert"), ("tls_cert", "tls_key"), ("tls_ca", "tls_cert"),

@@ -1,0 +1,191 @@
+"""Decode's replica set and the retry before the first token, with a scripted receiver that
+opens real (doomed) Prefill calls through PrefillReplicas: unhealthy and ejected replicas are
+skipped, a transport failure is asked again on another replica with a fresh nonce, a refusal is
+never asked again on the same replica, a deadline is never retried, in-flight counts return to
+zero, and a replica that keeps failing is ejected and comes back after its cool-down."""
+
+from __future__ import annotations
+
+import io
+
+import grpc
+import torch
+import pytest
+
+from common.counters import Counters
+from common.handoff.layout import KvLayout
+from common.handoff.reasons import HandoffRefused, refuse
+from common.handoff.transfer import TransferRecord, TransferState
+from common.handoff.verifier import Expectation
+from common.log import make_logger
+from common.pb.kvhandoff.v1 import handoff_pb2
+from common.sampling import SamplingConfig
+from decode_svc.handoff_retry import RetryingReceiver
+from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.prefill_breaker import BreakerConfig
+from decode_svc.prefill_choice import PrefixAwareChooser
+from decode_svc.prefill_replicas import PrefillReplicas, parse_target
+
+# closed loopback ports: every call made is doomed, and the scripted receiver cancels it anyway
+TARGET = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
+NAMES = TARGET.split(",")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Scripted(KvReceiver):
+    """Opens the call through the replica set as the real receivers do, then answers what the
+    script says for the replica it reached: an exception to raise, or None for success."""
+
+    plane = "inline"
+
+    def __init__(self, replicas: PrefillReplicas, script: dict[str, BaseException | None]):
+        self.replicas = replicas
+        self.script = script
+        self.seen: list[tuple[str, bytes]] = []
+
+    async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
+        call = self.replicas.prefill(job.request, job.timeout_s)
+        call.cancel()
+        name = self.replicas.last_tried(job.request.request_id)
+        self.seen.append((name, bytes(job.request.nonce)))
+        assert job.expect.nonce == job.request.nonce
+        outcome = self.script.get(name)
+        if outcome is not None:
+            record.move(TransferState.FAILED, getattr(outcome, "reason", ""))
+            raise outcome
+        record.move(TransferState.SUCCESS)
+        return LandedKv(7, 0, True)
+
+
+def make(script, clock=None, failures_to_eject=3, retries=2):
+    clock = clock or Clock()
+    log = make_logger("decode", io.StringIO())
+    ejected: list[str] = []
+    replicas = PrefillReplicas(TARGET, 1 << 20, None, PrefixAwareChooser(), 4, log,
+                               BreakerConfig(failures_to_eject, 10.0),
+                               on_eject=ejected.append, clock=clock)
+    for replica in replicas.replicas.values():
+        replica.serving = True
+    inner = Scripted(replicas, script)
+    retried: list[str] = []
+    receiver = RetryingReceiver(inner, replicas, Counters(), retried.append, log, retries,
+                                clock=clock)
+    return replicas, inner, receiver, retried, ejected
+
+
+def job(request_id="r1", scope=b"tenant", tokens=(1, 2, 3, 4, 5)) -> HandoffJob:
+    request = handoff_pb2.PrefillRequest(request_id=request_id, token_ids=list(tokens),
+                                         nonce=b"n" * 16, cache_scope=scope)
+    expect = Expectation(request_id, len(tokens), KvLayout(2, 2, 8, torch.float32), "fp",
+                         1 << 20, 32, b"n" * 16)
+    return HandoffJob(request, expect, SamplingConfig(), 30.0)
+
+
+def unavailable() -> HandoffRefused:
+    return refuse("PEER_UNAVAILABLE", "prefill failed mid-handoff: UNAVAILABLE")
+
+
+async def test_transport_failure_is_retried_on_another_replica_with_a_fresh_nonce():
+    replicas, inner, receiver, retried, _ = make({})
+    favourite = replicas.chooser.choose(*_key_and_candidates(replicas, job()))
+    inner.script[favourite] = unavailable()
+    landed = await receiver.receive(job(), TransferRecord("r1", "inline"))
+    assert landed.first_token == 7
+    (first, n1), (second, n2) = inner.seen
+    assert first == favourite and second != favourite
+    assert n1 == b"n" * 16 and n2 != n1 and len(n2) == 16
+    assert retried == ["transport"]
+    assert all(r.in_flight == 0 for r in replicas.replicas.values())
+    assert replicas.last_tried("r1") == ""  # forgotten once the request is done
+    await replicas.close()
+
+
+async def test_at_most_two_retries_then_the_refusal_passes_on():
+    replicas, inner, receiver, retried, _ = make({n: unavailable() for n in NAMES})
+    with pytest.raises(HandoffRefused) as caught:
+        await receiver.receive(job(), TransferRecord("r1", "inline"))
+    assert caught.value.reason == "PEER_UNAVAILABLE"
+    assert sorted(name for name, _ in inner.seen) == sorted(NAMES)  # each replica once
+    assert retried == ["transport", "transport"]
+    await replicas.close()
+
+
+async def test_a_refusal_is_never_asked_again_of_the_same_replica():
+    bad = refuse("CHECKSUM_MISMATCH", "chunk 3's payload checksum")
+    replicas, inner, receiver, retried, _ = make({})
+    inner.script = {n: bad for n in NAMES[:2]}
+    await receiver.receive(job(scope=b""), TransferRecord("r1", "inline"))
+    names = [name for name, _ in inner.seen]
+    assert len(names) == len(set(names))  # never the same replica twice
+    assert names[-1] == NAMES[2]
+    assert retried == ["refused"] * (len(names) - 1)
+    await replicas.close()
+
+
+async def test_a_single_replica_is_not_retried_and_a_deadline_never_is():
+    replicas, inner, receiver, retried, _ = make({})
+    for name in NAMES[1:]:
+        replicas.replicas[name].serving = False  # unhealthy: skipped
+    inner.script[NAMES[0]] = unavailable()
+    with pytest.raises(HandoffRefused):
+        await receiver.receive(job(), TransferRecord("r1", "inline"))
+    assert [n for n, _ in inner.seen] == [NAMES[0]] and retried == []
+    for name in NAMES:
+        replicas.replicas[name].serving = True
+    inner.seen.clear()
+    inner.script = {n: refuse("HANDOFF_TIMEOUT", "slow") for n in NAMES}
+    with pytest.raises(HandoffRefused):
+        await receiver.receive(job("r2"), TransferRecord("r2", "inline"))
+    assert len(inner.seen) == 1 and retried == []
+    await replicas.close()
+
+
+async def test_no_usable_replica_is_a_peer_unavailable_refusal():
+    replicas, inner, receiver, _, _ = make({})
+    for replica in replicas.replicas.values():
+        replica.serving = False
+    with pytest.raises(HandoffRefused) as caught:
+        replicas.prefill(job().request, 1.0)
+    assert caught.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "127.0.0.1:2 not serving" in caught.value.message
+    await replicas.close()
+
+
+async def test_a_failing_replica_is_ejected_then_trialled_after_its_cool_down():
+    clock = Clock()
+    replicas, inner, receiver, retried, ejected = make({}, clock, failures_to_eject=2)
+    favourite = replicas.chooser.choose(*_key_and_candidates(replicas, job()))
+    inner.script[favourite] = unavailable()
+    for i in range(2):
+        await receiver.receive(job(f"r{i}"), TransferRecord(f"r{i}", "inline"))
+    assert ejected == [favourite] and replicas.num_ejected() == 1
+    inner.seen.clear()
+    await receiver.receive(job("r9"), TransferRecord("r9", "inline"))
+    assert [n for n, _ in inner.seen] != [favourite] and len(inner.seen) == 1  # skipped
+    clock.now += 10.0
+    inner.script.clear()  # it recovered
+    inner.seen.clear()
+    await receiver.receive(job("r10"), TransferRecord("r10", "inline"))
+    assert [n for n, _ in inner.seen] == [favourite] and replicas.num_ejected() == 0
+    await replicas.close()
+
+
+def test_targets_parse_and_bad_entries_are_named():
+    entries = parse_target("10.0.0.1:1,localhost:2, prefill:50061,[::1]:3")
+    assert [(e.host, e.resolve) for e in entries] == [
+        ("10.0.0.1", False), ("localhost", False), ("prefill", True), ("[::1]", False)]
+    with pytest.raises(ValueError, match="'10.0.0.1' is not HOST:PORT"):
+        parse_target("127.0.0.1:5,10.0.0.1")
+
+
+def _key_and_candidates(replicas: PrefillReplicas, j: HandoffJob):
+    from decode_svc.prefill_choice import Candidate, route_key
+    return (route_key(j.request.cache_scope, j.request.token_ids, 4),
+            [Candidate(n, 0) for n in NAMES])
