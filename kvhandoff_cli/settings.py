@@ -241,28 +241,43 @@ def read_file(path: Path, role: str) -> dict[str, tuple[object, str]]:
     except tomllib.TOMLDecodeError as err:
         raise SettingsError(f"config file {path}: invalid TOML: {err}") from err
     values: dict[str, tuple[object, str]] = {}
+    problems: list[str] = []  # every one of them, so one edit of the file can fix all
     for table, entries in raw.items():
         if table not in ("service", *ROLES) or not isinstance(entries, dict):
-            raise SettingsError(f"{path}: unknown {'table' if isinstance(entries, dict) else 'key'}"
-                                f" {table!r}; settings go under [service], [prefill] or [decode]")
+            problems.append(f"{path}: unknown {'table' if isinstance(entries, dict) else 'key'}"
+                            f" {table!r}; settings go under [service], [prefill] or [decode]")
+            continue
         known = table_fields(table)
         for key, value in entries.items():
             where = f"{path} [{table}] {key}"
             if key not in known:
-                raise SettingsError(f"{path} [{table}]: unknown key {key!r}; known keys: "
-                                    f"{', '.join(sorted(known))}")
-            typed = _typed(value, str(known[key].type), where)
+                problems.append(f"{path} [{table}]: unknown key {key!r}; known keys: "
+                                f"{', '.join(sorted(known))}")
+                continue
+            try:
+                typed = _typed(value, str(known[key].type), where)
+            except SettingsError as err:
+                problems.append(str(err))
+                continue
             if table in ("service", role):
                 values[key] = (typed, where)
+    if problems:
+        raise SettingsError("; ".join(problems))
     return values
 
 
 def read_env(env: Mapping[str, str], role: str) -> dict[str, tuple[object, str]]:
     values: dict[str, tuple[object, str]] = {}
+    problems: list[str] = []
     for name, f in role_fields(role).items():
         var = ENV_PREFIX + name.upper()
         if env.get(var, "") != "":
-            values[name] = (_parsed(env[var], str(f.type), var), f"${var}")
+            try:
+                values[name] = (_parsed(env[var], str(f.type), var), f"${var}")
+            except SettingsError as err:
+                problems.append(str(err))
+    if problems:
+        raise SettingsError("; ".join(problems))
     return values
 
 

@@ -263,3 +263,13 @@ def test_help_and_flag_refusals_do_not_import_torch(argv):
 def test_an_empty_api_token_is_refused(argv):
     line = one_line(run("decode", "--port", "0", *argv), 2)
     assert line.startswith("kvhandoff decode: refusing to start: --api-token is empty"), line
+
+
+# 13: a config file (or the environment) with several problems reports every one at once
+def test_every_problem_of_a_config_file_is_reported(tmp_path):
+    config = tmp_path / "bad.toml"
+    config.write_text('[service]\nport = "abc"\nbogus = 1\n[prefill]\nalso_bogus = 2\n')
+    line = one_line(run("config", "show", "prefill", "--config", str(config)), 2)
+    for says in ("port: expected an integer, got str 'abc'", "unknown key 'bogus'",
+                 "unknown key 'also_bogus'"):
+        assert says in line, line
