@@ -86,7 +86,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=3, help="timed runs of each setting")
     p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--kernels", default="auto", help="auto, triton or torch")
+    p.add_argument("--kernels", default="auto", help="auto, triton, cpu or torch")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
     p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     p.add_argument("--json", type=Path, help="write the results here")

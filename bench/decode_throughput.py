@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--kernels", default="auto", help="auto, triton or torch")
+    p.add_argument("--kernels", default="auto", help="auto, triton, cpu or torch")
     p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)

@@ -85,12 +85,14 @@ def _random_pool(config, dtype, num_pages):
     return torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
 
 
-def profile_decode(model, batch: int, context: int, repeats: int) -> dict:
-    """One decode step of `batch` sequences that each hold `context` tokens (shuffled pages)."""
+def profile_decode(model, batch: int, context: int, repeats: int, shuffle: bool) -> dict:
+    """One decode step of `batch` sequences that each hold `context` tokens, each in one
+    ascending run of pages (as a fresh pool hands them out), or in shuffled pages."""
     c = model.config
     pages_each = (context + 1 + PAGE_SIZE - 1) // PAGE_SIZE
     k_cache, v_cache = _random_pool(c, model.dtype, batch * pages_each + 1)
-    perm = (1 + torch.randperm(batch * pages_each)).tolist()
+    order = torch.randperm(batch * pages_each) if shuffle else torch.arange(batch * pages_each)
+    perm = (1 + order).tolist()
     seq_pages = [perm[b * pages_each:(b + 1) * pages_each] for b in range(batch)]
     tokens = [[(7 * b + t) % c.vocab_size for t in range(context + 1)] for b in range(batch)]
     greedy = [SamplingConfig()] * batch
@@ -176,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--batches", default="1,8", help="decode batch sizes, comma separated")
     p.add_argument("--context", type=int, default=1088, help="tokens each sequence holds")
+    p.add_argument("--shuffle-pages", action="store_true",
+                   help="scatter each sequence's pages (a fragmented pool), not one run each")
     p.add_argument("--prompt-len", type=int, default=1024, help="prefill prompt tokens")
     p.add_argument("--repeats", type=int, default=5, help="timed runs (median reported)")
     p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
@@ -196,10 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(loaded.config, loaded.weights, make_ops(args.kernels, device), device,
                         dtype)
     print(f"model {args.model}, {args.kernels} ops, {args.dtype}, "
-          f"{torch.get_num_threads()} torch threads, {args.clock} clock")
+          f"{torch.get_num_threads()} torch threads, {args.clock} clock, "
+          f"{'shuffled' if args.shuffle_pages else 'one run of'} pages per sequence")
     results = {}
     for batch in (int(b) for b in args.batches.split(",") if b.strip()):
-        parts = profile_decode(model, batch, args.context, args.repeats)
+        parts = profile_decode(model, batch, args.context, args.repeats, args.shuffle_pages)
         print_parts(f"decode step, batch {batch}, context {args.context}", parts)
         results[f"decode_b{batch}"] = parts
     if args.prompt_len > 0:
@@ -210,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"benchmark": "step_profile", "model": args.model,
                                          "kernels": args.kernels, "dtype": args.dtype,
                                          "clock": args.clock,
+                                         "shuffle_pages": args.shuffle_pages,
                                          "results": results}, indent=2))
     return 0
 
