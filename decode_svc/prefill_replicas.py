@@ -25,7 +25,6 @@ Event loop only.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import socket
 import time
 from collections import OrderedDict
@@ -38,6 +37,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.handoff.reasons import HandoffRefused
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.server.grpc_server import TlsFiles
+from common.server.prefill_target import parse_target
 from decode_svc.prefill_breaker import BreakerConfig, BreakerState, CircuitBreaker
 from decode_svc.prefill_choice import Candidate, PrefillChooser, route_key
 from decode_svc.prefill_client import HandoffStream, PrefillClient
@@ -60,41 +60,9 @@ class Replica:
     watch: asyncio.Task | None = None
 
 
-@dataclass(frozen=True)
-class Entry:
-    host: str
-    port: str
-    resolve: bool  # a DNS name other than localhost
-
-
 @dataclass
 class _Attempts:
     tried: list[str] = field(default_factory=list)
-
-
-def parse_target(target: str) -> list[Entry]:
-    """'h:p,h:p' (an 'ipv4:'/'ipv6:'/'dns:///' prefix is accepted) -> entries; ValueError
-    names the entry that is not host:port."""
-    rest = target.strip()
-    for scheme in ("dns:///", "ipv4:", "ipv6:"):
-        rest = rest.removeprefix(scheme)
-    entries = []
-    for raw in rest.split(","):
-        raw = raw.strip()
-        host, sep, port = raw.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"prefill target entry {raw!r} is not HOST:PORT (in {target!r})")
-        bare = host.strip("[]")
-        entries.append(Entry(host, port, resolve=not (_is_ip(bare) or bare == "localhost")))
-    return entries
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class PrefillReplicas:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from common.config import DecodeConfig, PrefillConfig, ServiceConfig
 from common.server.cpu_placement import CpuListError, check_cpu_affinity
+from common.server.prefill_target import parse_target
 
 ENV_PREFIX = "KVHANDOFF_"
 CONFIG_ENV = "KVHANDOFF_CONFIG"
@@ -356,6 +357,11 @@ def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None
             check_cpu_affinity(str(values["cpu_affinity"]))
         except CpuListError as err:
             problems.append(f"{label('cpu_affinity')}: {err}")
+    if values.get("prefill_target"):
+        try:
+            parse_target(str(values["prefill_target"]))
+        except ValueError as err:
+            problems.append(f"{label('prefill_target')}: {err}")
     if "device" in values and not DEVICE_PATTERN.fullmatch(str(values["device"])):
         problems.append(f"{label('device')}: device must be auto, cpu, cuda or cuda:N, "
                         f"got {values['device']!r}")

@@ -24,7 +24,8 @@ from decode_svc.handoff_retry import RetryingReceiver
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 from decode_svc.prefill_breaker import BreakerConfig
 from decode_svc.prefill_choice import PrefixAwareChooser
-from decode_svc.prefill_replicas import PrefillReplicas, parse_target
+from common.server.prefill_target import parse_target
+from decode_svc.prefill_replicas import PrefillReplicas
 
 # closed loopback ports: every call made is doomed, and the scripted receiver cancels it anyway
 TARGET = "127.0.0.1:1,127.0.0.1:2,127.0.0.1:3"
