@@ -13,8 +13,9 @@ the DNS answer leaves the choice, and its channel closes once no handoff uses it
 
 Invariants:
 - a handoff attempt goes to a replica that is SERVING by grpc.health.v1 (a replica not yet
-  heard from counts only while no replica is known to serve), not ejected by its breaker, and
-  not already tried by the same request while another such replica exists;
+  heard from counts only while no replica is known to serve), not ejected by its breaker (unless
+  every such replica is: the breakers never empty the choice), and not already tried by the
+  same request while another such replica exists;
 - `in_flight` counts the Prefill calls open to a replica: +1 when one is made, -1 when gRPC says
   it is done, whatever ended it;
 - ReleaseHandoff goes to the replica that served the handoff it names (by nonce);
@@ -154,7 +155,9 @@ class PrefillReplicas:
         live = [r for r in self.replicas.values() if not r.removed]
         serving = [r for r in live if r.serving]
         pool = serving or [r for r in live if r.serving is None]
-        return [r for r in pool if r.breaker.allows(now)]
+        # a breaker steers away from a replica, never away from all: ejecting the last one
+        # would turn each bad handoff into a refusal of every request that follows
+        return [r for r in pool if r.breaker.allows(now)] or pool
 
     def _choose(self, request: handoff_pb2.PrefillRequest) -> Replica:
         usable = self._usable()

@@ -178,6 +178,21 @@ async def test_a_failing_replica_is_ejected_then_trialled_after_its_cool_down():
     await replicas.close()
 
 
+async def test_the_breakers_never_empty_the_choice():
+    clock = Clock()
+    replicas, inner, receiver, _, ejected = make({}, clock, failures_to_eject=1, retries=0)
+    for name in NAMES[1:]:
+        replicas.replicas[name].serving = False
+    inner.script[NAMES[0]] = refuse("CHECKSUM_MISMATCH", "bad")
+    with pytest.raises(HandoffRefused):
+        await receiver.receive(job("r1"), TransferRecord("r1", "inline"))
+    assert ejected == [NAMES[0]]
+    inner.script.clear()  # the only replica, ejected, still serves the next request
+    await receiver.receive(job("r2"), TransferRecord("r2", "inline"))
+    assert [n for n, _ in inner.seen] == [NAMES[0], NAMES[0]]
+    await replicas.close()
+
+
 def test_targets_parse_and_bad_entries_are_named():
     entries = parse_target("10.0.0.1:1,localhost:2, prefill:50061,[::1]:3")
     assert [(e.host, e.resolve) for e in entries] == [
