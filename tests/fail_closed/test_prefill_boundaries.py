@@ -17,7 +17,7 @@ from common.handoff.layout import KvLayout, protocol_version
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.model.llama import LlamaModel, PrefillBatch
 from common.model.loader import load_model
-from common.ops.torch_ops import TorchOps
+from common.ops.select import make_ops
 from common.pb.kvhandoff.v1 import handoff_pb2
 from tests.helpers.cluster import handoff_stub, start_service
 
@@ -37,10 +37,12 @@ def prefill(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The demo model in-process on torch ops: the KV an accepted prompt must carry."""
+    """The demo model in-process on the ops the service picks (--kernels auto on the CPU): the
+    KV an accepted prompt must carry, bit for bit. (Backends agree with the torch reference
+    within a tolerance, tested in tests/kernels; this test is about which KV, not numerics.)"""
     loaded = load_model("demo")
-    model = LlamaModel(loaded.config, loaded.weights, TorchOps(), torch.device("cpu"),
-                       torch.float32)
+    ops = make_ops("auto", torch.device("cpu"))
+    model = LlamaModel(loaded.config, loaded.weights, ops, torch.device("cpu"), torch.float32)
     c = loaded.config
     layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
 
@@ -54,7 +56,7 @@ def reference():
                              torch.tensor([0, n], dtype=torch.int32), n)
         model.prefill(batch, pool.k, pool.v)
         table = torch.tensor(pages, dtype=torch.int32)
-        return [TorchOps().pack_kv(pool.k[layer], pool.v[layer], table, 0, n)
+        return [ops.pack_kv(pool.k[layer], pool.v[layer], table, 0, n)
                 for layer in range(c.num_layers)]
 
     return layout, kv_of
