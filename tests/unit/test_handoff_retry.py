@@ -194,11 +194,11 @@ async def test_the_breakers_never_empty_the_choice():
 
 
 def test_targets_parse_and_bad_entries_are_named():
-    entries = parse_target("10.0.0.1:1,localhost:2, prefill:50061,[::1]:3")
+    entries = parse_target("127.0.0.21:1,localhost:2, prefill:50061,[::1]:3")
     assert [(e.host, e.resolve) for e in entries] == [
-        ("10.0.0.1", False), ("localhost", False), ("prefill", True), ("[::1]", False)]
-    with pytest.raises(ValueError, match="'10.0.0.1' is not HOST:PORT"):
-        parse_target("127.0.0.1:5,10.0.0.1")
+        ("127.0.0.21", False), ("localhost", False), ("prefill", True), ("[::1]", False)]
+    with pytest.raises(ValueError, match="'127.0.0.21' is not HOST:PORT"):
+        parse_target("127.0.0.1:5,127.0.0.21")
 
 
 def _key_and_candidates(replicas: PrefillReplicas, j: HandoffJob):

@@ -14,7 +14,7 @@ from decode_svc.prefill_choice import (Candidate, PrefixAwareChooser, RoundRobin
                                        make_chooser, route_key)
 
 PAGE = 4
-NAMES = ["10.0.0.1:50061", "10.0.0.2:50061", "10.0.0.3:50061"]
+NAMES = ["127.0.0.21:50061", "127.0.0.22:50061", "127.0.0.23:50061"]
 
 
 def idle(names=NAMES, load=None) -> list[Candidate]:
