@@ -24,7 +24,6 @@ the depth step overwrites the sampled slots with decode's own values (equal with
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from common.kvpool.kv_cache import KvPool
 from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
 from decode_svc.full_audit import FullAudit
+from decode_svc.kv_difference import relative_error
 
 
 @dataclass(frozen=True)
@@ -96,15 +96,6 @@ class FiniteTracker:
 
     def forget(self, request_id: str) -> None:
         self._flags.pop(request_id, None)
-
-
-def relative_error(received: torch.Tensor, recomputed: torch.Tensor) -> float:
-    """max |received - recomputed| / rms(recomputed), in float32; inf when not finite (NaN
-    compares false with any tolerance, so it must never reach the comparison)."""
-    ours = recomputed.float()
-    scale = ours.pow(2).mean().sqrt().clamp_min(1e-12)
-    error = float(((received.float() - ours).abs().max() / scale).item())
-    return error if math.isfinite(error) else math.inf
 
 
 def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: list[int],

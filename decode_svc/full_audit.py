@@ -39,6 +39,7 @@ from common.counters import Counters
 from common.handoff.reasons import refuse
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import LlamaModel, PrefillBatch
+from decode_svc.kv_difference import relative_error_by_row
 
 AUDITS = "full_audits"  # GetStats counters (and kvhandoff_engine_events_total{event=...})
 AUDITS_REFUSED = "full_audits_refused"
@@ -107,11 +108,10 @@ def recompute_and_compare(model: LlamaModel, pool: KvPool, table: torch.Tensor,
 
     def compare(layer: int) -> None:
         mine = torch.stack((k_scratch[0].flatten(0, 1)[:n],
-                            v_scratch[0].flatten(0, 1)[:n])).float()  # [2, n, Hkv, D]
-        sent = model.ops.pack_kv(pool.k[layer], pool.v[layer], table, 0, n).float()
-        scale = mine.pow(2).mean(dim=(1, 2, 3)).sqrt().clamp_min(1e-12)  # [2]
-        per_position = (sent - mine).abs().amax(dim=(2, 3)) / scale[:, None]  # [2, n]
-        errors.append(torch.nan_to_num(per_position, nan=math.inf))
+                            v_scratch[0].flatten(0, 1)[:n]))  # [2, n, Hkv, D]
+        sent = model.ops.pack_kv(pool.k[layer], pool.v[layer], table, 0, n)  # [2, n, Hkv, D]
+        errors.append(torch.stack([relative_error_by_row(sent[i], mine[i])
+                                   for i in range(2)]))  # [2, n]: K and V, each its own scale
 
     batch = PrefillBatch(
         token_ids=ids, positions=torch.arange(n, dtype=torch.int64, device=device),
