@@ -13,9 +13,10 @@ the DNS answer leaves the choice, and its channel closes once no handoff uses it
 
 Invariants:
 - a handoff attempt goes to a replica that is SERVING by grpc.health.v1 (a replica not yet
-  heard from counts only while no replica is known to serve), not ejected by its breaker (unless
-  every such replica is: the breakers never empty the choice), and not already tried by the
-  same request while another such replica exists;
+  heard from counts only while no replica is known to serve, and any live replica while none
+  is known to serve or to be starting: health never empties the choice), not ejected by its
+  breaker (unless every such replica is: the breakers never empty the choice either), and not
+  already tried by the same request while another such replica exists;
 - `in_flight` counts the Prefill calls open to a replica: +1 when one is made, -1 when gRPC says
   it is done, whatever ended it;
 - ReleaseHandoff goes to the replica that served the handoff it names (by nonce);
@@ -154,7 +155,10 @@ class PrefillReplicas:
         now = self.clock()
         live = [r for r in self.replicas.values() if not r.removed]
         serving = [r for r in live if r.serving]
-        pool = serving or [r for r in live if r.serving is None]
+        # health steers, never empties: with no replica known to serve, the attempt itself
+        # finds out (a replica that is starting, or whose watch has not caught up with a
+        # channel that just connected, serves it; a dead one fails it as a transport failure)
+        pool = serving or [r for r in live if r.serving is None] or live
         # a breaker steers away from a replica, never away from all: ejecting the last one
         # would turn each bad handoff into a refusal of every request that follows
         return [r for r in pool if r.breaker.allows(now)] or pool
@@ -254,8 +258,11 @@ class PrefillReplicas:
         stub = health_pb2_grpc.HealthStub(replica.client.channel)
         while True:
             try:
+                # after a failure, wait for the channel to connect rather than fail fast in its
+                # reconnect backoff: the answer comes the moment the replica is reachable
                 async for answer in stub.Watch(
-                        health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)):
+                        health_pb2.HealthCheckRequest(service=HEALTH_SERVICE),
+                        wait_for_ready=replica.serving is False):
                     self._set_serving(replica,
                                       answer.status == health_pb2.HealthCheckResponse.SERVING)
             except grpc.aio.AioRpcError as err:

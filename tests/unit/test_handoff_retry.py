@@ -148,14 +148,32 @@ async def test_a_single_replica_is_not_retried_and_a_deadline_never_is():
     await replicas.close()
 
 
-async def test_no_usable_replica_is_a_peer_unavailable_refusal():
+async def test_health_steers_but_never_empties_the_choice():
+    # one replica serving: the others are skipped
     replicas, inner, receiver, _, _ = make({})
+    for name in NAMES[1:]:
+        replicas.replicas[name].serving = False
+    for i in range(6):
+        await receiver.receive(job(f"r{i}"), TransferRecord(f"r{i}", "inline"))
+    assert {n for n, _ in inner.seen} == {NAMES[0]}
+    # none known to serve (a watch not yet caught up with a channel that just connected, as
+    # when decode starts before its prefill listens): the attempt itself is made and tells
     for replica in replicas.replicas.values():
         replica.serving = False
+    inner.seen.clear()
+    await receiver.receive(job("r9"), TransferRecord("r9", "inline"))
+    assert len(inner.seen) == 1
+    await replicas.close()
+
+
+async def test_no_replica_at_all_is_a_peer_unavailable_refusal():
+    replicas, inner, receiver, _, _ = make({})
+    for replica in replicas.replicas.values():
+        replica.removed = True  # every address left the DNS answer
     with pytest.raises(HandoffRefused) as caught:
         replicas.prefill(job().request, 1.0)
     assert caught.value.code == grpc.StatusCode.UNAVAILABLE
-    assert "127.0.0.1:2 not serving" in caught.value.message
+    assert "no prefill replica can take the handoff" in caught.value.message
     await replicas.close()
 
 
