@@ -140,6 +140,21 @@ class PageAllocator:
                     self._owner[page] = None
                     self._free.append(page)
             return own
+    def rename(self, owner: str, new_owner: str) -> None:
+        """owner's table, written count and own pages pass to new_owner unchanged, nothing freed
+        (pages a late transfer may still write leave their request without reaching the free
+        list). Raises KeyError (unknown owner) or ValueError (new_owner holds pages); nothing
+        changes when it raises."""
+        with self._lock:
+            if new_owner in self._tables:
+                raise ValueError(f"owner {new_owner!r} already holds pages")
+            table = self._tables.pop(owner)
+            self._tables[new_owner] = table
+            self._written[new_owner] = self._written.pop(owner)
+            for page in table:
+                if page not in self._refs:
+                    self._owner[page] = new_owner
+
     def page_table(self, owner: str) -> list[int]:
         with self._lock:
             return list(self._tables[owner])
