@@ -11,9 +11,10 @@ from pathlib import Path
 import grpc
 
 SAN = "subjectAltName=IP:127.0.0.1,DNS:localhost"
-LEAF_EXTENSIONS = (f"{SAN}\nbasicConstraints=critical,CA:FALSE\n"
-                   "keyUsage=critical,digitalSignature,keyEncipherment\n"
-                   "extendedKeyUsage=serverAuth,clientAuth\n")
+LEAF_REST = ("basicConstraints=critical,CA:FALSE\n"
+             "keyUsage=critical,digitalSignature,keyEncipherment\n"
+             "extendedKeyUsage=serverAuth,clientAuth\n")
+LEAF_EXTENSIONS = f"{SAN}\n{LEAF_REST}"
 EC_KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
 
@@ -60,10 +61,12 @@ class CertificateAuthority:
                  "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=root)
         return cls(root / f"{name}.pem", root / f"{name}.key")
 
-    def issue(self, name: str) -> Identity:
-        """A leaf certificate named name, in the CA's folder."""
+    def issue(self, name: str, san: str = "") -> Identity:
+        """A leaf certificate named name, in the CA's folder; san (e.g. 'DNS:prefill.example')
+        replaces the default subjectAltName of 127.0.0.1 and localhost."""
         root = self.cert.parent
-        (root / f"{name}.ext").write_text(LEAF_EXTENSIONS)
+        (root / f"{name}.ext").write_text(f"subjectAltName={san}\n{LEAF_REST}" if san
+                                          else LEAF_EXTENSIONS)
         _openssl("req", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr",
                  "-subj", f"/CN={name}", cwd=root)
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", self.cert.name, "-CAkey",
