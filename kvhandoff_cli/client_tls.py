@@ -3,12 +3,15 @@
 gRPC reads PEM bytes without checking them, so a missing file would end in a traceback and a
 file that is not PEM in gRPC core log lines followed by an unrelated UNAVAILABLE. The files are
 checked here first; what gRPC says about a failed connection (a 250-character handshake error)
-is turned into what to change. Imports nothing heavy (`generate` and `health` skip torch).
+is turned into what to change (common.server.tls_diagnosis names the TLS causes). Imports
+nothing heavy (`generate` and `health` skip torch).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from common.server.tls_diagnosis import DialSide, TlsDiagnosis, diagnose
 
 WHAT = {"--tls-ca": ("certificate", "the CA certificate that signed the server's certificate"),
         "--tls-cert": ("certificate", "your client certificate"),
@@ -38,20 +41,23 @@ def read_pem(path: str, flag: str) -> bytes:
     return data
 
 
-def explain_unreachable(details: str, target: str, tls_ca: str) -> str | None:
+def explain_unreachable(details: str, target: str, tls_ca: str, client_cert: bool = False,
+                        server_name: str = "", name_flag: str = "") -> str | None:
     """What to change, for gRPC's details of an UNAVAILABLE connection to target; None when
-    the details say nothing this knows."""
-    if "CERTIFICATE_VERIFY_FAILED" in details:
-        return (f"TLS handshake with {target} failed: its certificate is not signed by the CA "
-                f"in --tls-ca {tls_ca}; give the CA that signed the server's certificate")
-    if "WRONG_VERSION_NUMBER" in details:
-        return f"{target} does not speak TLS; drop --tls-ca (or give the server a certificate)"
-    if "not in peer certificate" in details or "Peer name" in details:
-        return (f"{target}'s certificate does not name that host; connect by a name it lists "
-                f"(or pass --server-name NAME to health)")
+    the details say nothing this knows. A TLS cause (common.server.tls_diagnosis) is said in a
+    sentence that starts with "TLS"; see `tls_failure` to tell the two apart."""
+    found = tls_failure(details, target, tls_ca, client_cert, server_name, name_flag)
+    if found is not None:
+        return found.message
     if "Connection refused" in details:
         return f"nothing listens at {target} (connection refused); start the service or fix it"
-    if "Socket closed" in details and not tls_ca:
-        return (f"{target} closed the connection; if it serves TLS, pass --tls-ca with the CA "
-                f"that signed its certificate")
     return None
+
+
+def tls_failure(details: str, target: str, tls_ca: str, client_cert: bool = False,
+                server_name: str = "", name_flag: str = "") -> TlsDiagnosis | None:
+    """The TLS cause of a failed connection to target, as the CLI's flags would fix it."""
+    host = target.rpartition(":")[0].strip("[]") or target
+    side = DialSide(tls=bool(tls_ca or client_cert), client_cert=client_cert, ca_file=tls_ca,
+                    server_name=server_name or host, name_flag=name_flag)
+    return diagnose(details, target, side)

@@ -11,7 +11,7 @@ import grpc
 
 from common.errors import error_reason
 from common.pb.kvhandoff.v1 import common_pb2, generate_pb2, generate_pb2_grpc
-from common.server.wait import wait_serving
+from common.server.wait import CHECK_TIMEOUT_SECONDS, wait_serving
 from kvhandoff_cli.arguments import (HelpFormatter, count, non_negative, positive_seconds,
                                      probability, seed, target, token_ids)
 from kvhandoff_cli.client_tls import TlsFileError, explain_unreachable, read_pem
@@ -126,6 +126,16 @@ async def _stream(args: argparse.Namespace, out: Output) -> int:
         await channel.close()
 
 
+def _tls_reason(args: argparse.Namespace) -> str | None:
+    """Why the server never answered when the reason is TLS (wait_serving only sees the code):
+    one health Check that does not wait, read by the TLS diagnosis; None otherwise."""
+    from kvhandoff_cli.health_probe import check
+
+    probe = argparse.Namespace(tls_ca=args.tls_ca, tls_cert="", tls_key="", server_name="")
+    status = check(args.target, timeout=CHECK_TIMEOUT_SECONDS, args=probe)
+    return status.partition(": ")[2] if status.startswith("TLS_FAILED") else None
+
+
 async def _is_prefill(channel: grpc.aio.Channel) -> bool:
     """Whether the server behind channel knows prefill's HandoffService (asked through the
     standard health service, which every kvhandoff service runs)."""
@@ -196,7 +206,7 @@ def generate(argv: list[str]) -> int:
             try:
                 wait_serving(args.target, args.wait, credentials=_credentials(args))
             except TimeoutError as err:
-                out.error(str(err), "UNAVAILABLE")
+                out.error(_tls_reason(args) or str(err), "UNAVAILABLE")
                 return 1
         return asyncio.run(_stream(args, out))
     except TlsFileError as err:  # a usage error, said like argparse's

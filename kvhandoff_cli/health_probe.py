@@ -2,9 +2,10 @@
 grpc.health.v1 Check, for healthchecks.
 
 Exit status 0 when the server answers SERVING, 1 for anything else (NOT_SERVING, NOT_FOUND for
-a service the server does not know, UNREACHABLE when nothing answers within --timeout), 2 for
-bad arguments (a TLS file that is missing or not PEM included). Prints one line saying which,
-and for UNREACHABLE what to change when gRPC said why. Imports only grpc, never torch, so a
+a service the server does not know, TLS_FAILED when the TLS handshake failed, UNREACHABLE
+when nothing answers within --timeout), 2 for bad arguments (a TLS file that is missing or not
+PEM included). Prints one line saying which, and for TLS_FAILED and UNREACHABLE what to
+change when gRPC said why. Imports only grpc, never torch, so a
 container healthcheck costs a fraction of a second.
 """
 
@@ -21,7 +22,8 @@ import grpc  # noqa: E402 (after the environment gRPC reads when it loads)
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
 from kvhandoff_cli.arguments import HelpFormatter, positive_seconds, target  # noqa: E402
-from kvhandoff_cli.client_tls import TlsFileError, explain_unreachable, read_pem  # noqa: E402
+from kvhandoff_cli.client_tls import (  # noqa: E402
+    TlsFileError, explain_unreachable, read_pem, tls_failure)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -40,8 +42,10 @@ def _channel(target: str, args: argparse.Namespace) -> grpc.Channel:
 def check(target: str, service: str = "", timeout: float = 3.0,
           args: argparse.Namespace | None = None) -> str:
     """The health status name of `service` at target; NOT_FOUND when the server answered that
-    it does not know the service; otherwise 'UNREACHABLE (<code>)', followed by what to
-    change when gRPC's details say why (a TLS handshake that failed, a refused connection).
+    it does not know the service; 'TLS_FAILED (<cause>): <what to change>' when the TLS
+    handshake failed (wrong CA, SAN mismatch, a client certificate missing or refused);
+    otherwise 'UNREACHABLE (<code>)', followed by what to change when gRPC's details say why
+    (a refused connection).
     Raises TlsFileError for a TLS file that is missing or not PEM."""
     args = args or argparse.Namespace(tls_ca="", tls_cert="", tls_key="", server_name="")
     with _channel(target, args) as channel:
@@ -52,8 +56,15 @@ def check(target: str, service: str = "", timeout: float = 3.0,
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.NOT_FOUND:  # the server answered: no such service
                 return "NOT_FOUND"
-            why = (explain_unreachable(err.details() or "", target, args.tls_ca)
-                   if err.code() == grpc.StatusCode.UNAVAILABLE else None)
+            if err.code() != grpc.StatusCode.UNAVAILABLE:
+                return f"UNREACHABLE ({err.code().name})"
+            details, mtls = err.details() or "", bool(args.tls_cert)
+            tls = tls_failure(details, target, args.tls_ca, mtls, args.server_name,
+                              "--server-name")
+            if tls is not None:  # it answered, but the handshake failed: not "unreachable"
+                return f"TLS_FAILED ({tls.cause.value}): {tls.message}"
+            why = explain_unreachable(details, target, args.tls_ca, mtls, args.server_name,
+                                      "--server-name")
             return f"UNREACHABLE ({err.code().name})" + (f": {why}" if why else "")
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 

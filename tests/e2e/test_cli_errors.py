@@ -102,7 +102,8 @@ def test_a_ca_of_another_authority_is_said_in_words(pki, tls_server):
                     f"certificate is not signed by the CA in --tls-ca {ca}; give the CA that "
                     f"signed the server's certificate"), line
     line = one_line(run("health", tls_server, "--tls-ca", ca), 1, "stdout")
-    assert line.startswith(f"{tls_server} (server) UNREACHABLE (UNAVAILABLE): TLS handshake")
+    assert line.startswith(f"{tls_server} (server) TLS_FAILED (server_certificate_not_trusted): "
+                           f"TLS handshake"), line
 
 
 def test_the_right_ca_is_served_and_plaintext_to_tls_is_named(pki, tls_server):
