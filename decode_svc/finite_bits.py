@@ -25,6 +25,12 @@ _BITS: dict[torch.dtype, tuple[type, int, int]] = {
 BLOCK_VALUES = 1 << 17
 
 
+def finite_masks(dtype: torch.dtype) -> tuple[type, int, int]:
+    """dtype -> (unsigned integer of its width, bits without the sign, exponent mask); a value
+    is finite exactly when (its bits & the second) < the third."""
+    return _BITS[dtype]
+
+
 def all_finite_bytes(data: np.ndarray, dtype: torch.dtype) -> bool:
     """data: uint8 array holding whole values of dtype (read only, any size) -> all finite."""
     return all_finite_pieces((data,), dtype)

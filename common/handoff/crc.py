@@ -9,6 +9,8 @@ Either reads any C-contiguous buffer (bytes, memoryview, uint8 numpy arrays) wit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import google_crc32c
 import numpy as np
 
@@ -20,9 +22,25 @@ except ImportError:  # pragma: no cover - the fallback keeps every check, only s
     _hw = None
 
 
+@dataclass(frozen=True)
+class ChecksummedBytes(ScatteredBytes):
+    """ScatteredBytes whose CRC-32C extension decode already computed over these very bytes, in
+    the same pass as its other check (decode_svc.payload_pass): crc32c_extend(crc_before, self)
+    is crc_after, answered without reading them again.
+
+    Invariant: only decode makes one, over bytes in its own memory that nothing writes between
+    the pass and the verifier's use of the value (the pages of a reservation, landed by the
+    shared-memory receiver just before the verifier sees the frame, on the same thread)."""
+
+    crc_before: int = 0
+    crc_after: int = 0
+
+
 def crc32c_extend(value: int, data) -> int:
     """CRC-32C of (whatever gave `value`) || data; value 0 starts a new checksum. data may be
     ScatteredBytes (its pieces in order)."""
+    if isinstance(data, ChecksummedBytes) and value == data.crc_before:
+        return data.crc_after
     if isinstance(data, ScatteredBytes):
         for piece in data.pieces:
             value = crc32c_extend(value, piece)

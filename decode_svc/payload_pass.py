@@ -1,0 +1,69 @@
+"""One pass over a chunk's payload for both of decode's byte checks: the CRC-32C of K || V (the
+chunk's `crc32c`, common.handoff.crc) and the finiteness of every value (decode_svc.finite_bits),
+block by block, so the second check reads each block from cache where two separate passes read
+the whole chunk from memory twice.
+
+Invariants: the result is exactly (payload_crc32c(k, v), all_finite_pieces(k and v pieces,
+dtype)) for any payload and any block size (tests/unit/test_payload_pass.py); the CRC always
+covers every byte (a non-finite value stops only the finiteness test, never the checksum);
+nothing is written except one scratch block of decode's own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.handoff.crc import ChecksummedBytes, crc32c_extend
+from common.handoff.scattered import ScatteredBytes
+from decode_svc.finite_bits import finite_masks
+
+# Bytes per block: measured best of 64 KiB .. 1 MiB on this project's hosts
+# (bench/payload_pass.py); small enough to stay in L2 between the two checks.
+DEFAULT_BLOCK_BYTES = 128 << 10
+
+
+@dataclass(frozen=True)
+class PayloadCheck:
+    k_crc32c: int  # CRC-32C of K alone (where V's extension starts)
+    crc32c: int  # CRC-32C of K || V
+    finite: bool  # every value of K and V is finite
+
+
+def _pieces(data) -> tuple:
+    return data.pieces if isinstance(data, ScatteredBytes) else (data,)
+
+
+def check_payload(k, v, dtype: torch.dtype, block_bytes: int = DEFAULT_BLOCK_BYTES
+                  ) -> PayloadCheck:
+    """k, v: uint8 arrays or ScatteredBytes, each piece holding whole values of dtype ->
+    their CRC-32C (K then V) and finiteness, from one read of each block."""
+    word, magnitude, exponent = finite_masks(dtype)
+    width = np.dtype(word).itemsize
+    block = max(width, block_bytes - block_bytes % width)
+    scratch = np.empty(block // width, word)
+    mask = word(magnitude)
+    crc, finite = 0, True
+    k_crc = 0
+    for side, pieces in enumerate((_pieces(k), _pieces(v))):
+        if side == 1:
+            k_crc = crc
+        for data in pieces:
+            for start in range(0, data.size, block):
+                part = data[start:start + block]  # [<= block] uint8
+                crc = crc32c_extend(crc, part)
+                if finite and part.size:
+                    masked = scratch[:part.size // width]
+                    np.bitwise_and(part.view(word), mask, out=masked)
+                    finite = bool(masked.max() < exponent)
+    return PayloadCheck(k_crc, crc, finite)
+
+
+def checksummed(k: ScatteredBytes, v: ScatteredBytes, check: PayloadCheck
+                ) -> tuple[ChecksummedBytes, ChecksummedBytes]:
+    """k and v carrying the CRC-32C the pass computed over them, for the verifier's
+    payload_crc32c(k, v) (common.handoff.crc.ChecksummedBytes)."""
+    return (ChecksummedBytes(k.pieces, k.nbytes, 0, check.k_crc32c),
+            ChecksummedBytes(v.pieces, v.nbytes, check.k_crc32c, check.crc32c))
