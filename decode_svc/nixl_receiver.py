@@ -1,20 +1,27 @@
-"""The NIXL plane on decode: chunk frames carry references into a buffer prefill registered with
-its NIXL agent; decode READs the bytes into its OWN staging buffer (a one-sided transfer decode
-initiates; decode never registers its pool for a peer), waits for completion with a deadline,
-then the verifier checks sizes and both 1.1 checksums over that copy, then the engine writes it,
-exactly as inline. A handoff's staging buffer holds the whole handoff (each chunk READ at its own
-offset, none overwritten), so the engine's queued writes read it in place; it goes back to the
-pool only after those writes ran (an engine AfterWrites command).
+"""The NIXL plane on decode: chunk frames carry references into memory prefill registered with
+its NIXL agent; decode READs the bytes (a one-sided transfer decode initiates) and the verifier
+checks sizes and both 1.1 checksums over what landed.
+
+Where it lands (said once in the log, `nixl_landing`): with a CPU pool, straight into the
+request's own pages (decode_svc.page_landing: one descriptor per run of contiguous page slots of
+the chunk's K, and of its V), registered with decode's OWN agent and never described to a peer
+(prefill never writes into decode: decode initiates every READ); the checksums and the
+finiteness check then run over the pages, as on the shared-memory plane, and no engine write
+follows. Elsewhere (a GPU pool) into a staging buffer of decode's own holding the whole handoff
+(each chunk at its own offset), which the engine's queued writes read in place; it goes back to
+the pool only after those writes ran (an engine AfterWrites command).
 
 Invariants (besides KvReceiver's):
 - a reference is bounded before anything is read: length = the layout's size for its token
   range, K plus V at most max_chunk_bytes, both pieces inside the buffer the handoff's first
-  reference described (its partial agent metadata), at most MAX_BUFFERS_PER_HANDOFF buffers;
+  reference described (its partial agent metadata), at most MAX_BUFFERS_PER_HANDOFF buffers,
+  and (into pages) a layer and token range inside the reservation;
 - a READ that fails is refused (TRANSFER_FAILED), one that is not DONE by the deadline (the
   sooner of read_timeout_s and the handoff's budget) is refused (TRANSFER_TIMEOUT);
-- a staging buffer is reused only after every READ into it was DONE and every engine write
-  from it ran; after a failed or timed-out READ it is quarantined for good (kept registered and
-  referenced, never handed out again), so bytes that land late cannot reach another request;
+- memory a READ may still write is never handed to another use: pages of a READ that did not
+  end DONE are quarantined until NIXL says the transfer is over (decode_svc.nixl_quarantine,
+  SPEC D-67a), the request getting fresh pages; a staging buffer is reused only after every
+  READ into it was DONE and every engine write from it ran, else quarantined for good;
 - ReleaseHandoff is sent however the handoff ends (off the request's path).
 """
 
@@ -23,23 +30,28 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import numpy as np
 
 from common.config import DecodeConfig
 from common.counters import Counters
+from common.errors import ServiceError
 from common.handoff.codec import WireChunk, WireChunkFrame
 from common.handoff.nixl_agent import DONE, IN_FLIGHT, NixlAgent, Registration, open_agent
 from common.handoff.nixl_buffers import RegisteredBuffers
 from common.handoff.planes import NIXL
 from common.handoff.reasons import refuse
+from common.handoff.scattered import ScatteredBytes
 from common.handoff.transfer import TransferRecord
-from common.handoff.verifier import Expectation
+from common.handoff.verifier import Expectation, VerifiedChunk
 from common.server.loopback import is_loopback_target
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.chunk_reference import reference_to_fetch
 from decode_svc.engine import DecodeEngine
-from decode_svc.handoff import handoff_budget
+from decode_svc.handoff import handoff_budget, write_chunk
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.nixl_pool import PoolRegistration
+from decode_svc.nixl_quarantine import ReadQuarantine
 from decode_svc.oob_receiver import OutOfBandReceiver
 from decode_svc.prefill_client import PrefillClient
 
@@ -87,6 +99,7 @@ class _Landing:
         self.receiver = receiver
         self.expect = expect
         self.deadline = deadline
+        self.pages = receiver.pool.pages  # None: the staging path
         self.buffers: dict[int, tuple[str, int]] = {}  # prefill address -> (peer agent, size)
         self.peers: set[str] = set()
         self.staging: tuple[np.ndarray, Registration] | None = None
@@ -97,27 +110,47 @@ class _Landing:
         chunk = reference_to_fetch(frame, self.expect, "NIXL")
         if chunk is None:
             return frame
-        ref = chunk.ref
-        peer = self._buffer(chunk.sequence_number, ref)
-        staging = self._own()
-        if self.cursor + 2 * ref.length > staging.nbytes:
-            raise refuse("REGION_INVALID", f"chunk {chunk.sequence_number} refers to more bytes "
-                         "than the handoff's KV holds")
-        # [2, length] bytes of its own in the staging buffer: the engine's queued write of this
-        # chunk reads them there while later chunks land further on
-        own = staging[self.cursor:self.cursor + 2 * ref.length].reshape(2, ref.length)
-        self.cursor += 2 * ref.length
-        await self._read(chunk.sequence_number, own, peer,
-                         [(ref.nixl_address + ref.k_offset, ref.length),
-                          (ref.nixl_address + ref.v_offset, ref.length)])
-        k, v = own[0], own[1]
-        k.flags.writeable = False
-        v.flags.writeable = False
+        expect, ref, seq = self.expect, chunk.ref, chunk.sequence_number
+        if self.pages is not None and (chunk.request_id != expect.request_id
+                                       or not self.pages.in_range(chunk.layer, chunk.token_start,
+                                                                  chunk.token_end,
+                                                                  expect.token_count)):
+            return frame  # the verifier refuses its id or range; nothing read
+        peer = self._buffer(seq, ref)
+        k_at, v_at = ref.nixl_address + ref.k_offset, ref.nixl_address + ref.v_offset
+        if self.pages is not None:
+            pieces = self.pages.pieces(expect.request_id, chunk.layer, chunk.token_start,
+                                       chunk.token_end)
+            k, v = pieces.k, pieces.v  # ScatteredBytes: views of the pages
+            local, remote = _descriptors(((k_at, k), (v_at, v)))
+            await self._read(seq, lambda agent: agent.read_pieces(local, remote, peer), True)
+        else:
+            staging = self._own()
+            if self.cursor + 2 * ref.length > staging.nbytes:
+                raise refuse("REGION_INVALID", f"chunk {seq} refers to more bytes than the "
+                             "handoff's KV holds")
+            # [2, length] bytes of its own in the staging buffer: the engine's queued write of
+            # this chunk reads them there while later chunks land further on
+            own = staging[self.cursor:self.cursor + 2 * ref.length].reshape(2, ref.length)
+            self.cursor += 2 * ref.length
+            await self._read(seq, lambda agent: agent.read(
+                own, [(k_at, ref.length), (v_at, ref.length)], peer), False)
+            k, v = own[0], own[1]
+            k.flags.writeable = False
+            v.flags.writeable = False
         return WireChunkFrame(WireChunk(
-            request_id=chunk.request_id, sequence_number=chunk.sequence_number,
+            request_id=chunk.request_id, sequence_number=seq,
             layer=chunk.layer, token_start=chunk.token_start, token_end=chunk.token_end,
             k=k, v=v, crc32c=chunk.crc32c, nonce=bytes(chunk.nonce),
             chunk_crc32c=chunk.chunk_crc32c))
+
+    def deliver(self, chunk: VerifiedChunk) -> None:
+        """A verified chunk: already in the pages (tell the engine, with its finiteness), or in
+        the staging buffer (the engine's write path)."""
+        if isinstance(chunk.k, ScatteredBytes):
+            self.receiver.engine.landed(self.expect.request_id, chunk.k.pieces + chunk.v.pieces)
+        else:
+            write_chunk(self.receiver.engine, self.expect.request_id, chunk)
 
     def _buffer(self, seq: int, ref: handoff_pb2.KvRegionRef) -> str:
         """-> the peer agent holding the buffer ref names, after the bounds checks."""
@@ -154,12 +187,15 @@ class _Landing:
             self.staging = self.receiver.staging.acquire(size)
         return self.staging[0]
 
-    async def _read(self, seq: int, own: np.ndarray, peer: str,
-                    remote: list[tuple[int, int]]) -> None:
-        agent = self.receiver.agent
-        deadline = min(self.deadline, time.monotonic() + self.receiver.read_timeout_s)
+    async def _read(self, seq: int, post, into_pages: bool) -> None:
+        """post(agent) -> (handle, state); waits for DONE by the deadline. A READ into pages
+        that did not end DONE quarantines them (with its handle, still unreleased); into the
+        staging buffer, it taints the buffer."""
+        receiver = self.receiver
+        agent = receiver.agent
+        deadline = min(self.deadline, time.monotonic() + receiver.read_timeout_s)
         try:
-            handle, state = agent.read(own, remote, peer)
+            handle, state = post(agent)
         except Exception as err:  # refused before anything was posted: nothing in flight
             raise refuse("TRANSFER_FAILED", f"chunk {seq}: the NIXL READ could not be posted: "
                          f"{type(err).__name__}: {err}") from err
@@ -170,19 +206,24 @@ class _Landing:
                 await asyncio.sleep(0 if polls < SPIN_POLLS else POLL_PAUSE_S)
                 state = agent.state(handle)
         except BaseException:  # cancelled (the client left) mid-READ: it may still land
-            self.tainted = True
-            agent.release(handle)
+            self._withdraw(handle, into_pages)
             raise
         if state == DONE:
             agent.release(handle)
             return
-        # failed or still in flight: bytes may yet land in `own`, so it never serves again
-        self.tainted = True
-        agent.release(handle)
+        # failed or still in flight: bytes may yet land where the READ points
+        self._withdraw(handle, into_pages)
         if state == IN_FLIGHT:
             raise refuse("TRANSFER_TIMEOUT", f"chunk {seq}: the NIXL READ did not complete "
-                         f"within {self.receiver.read_timeout_s:.1f}s")
+                         f"within {receiver.read_timeout_s:.1f}s")
         raise refuse("TRANSFER_FAILED", f"chunk {seq}: the NIXL READ failed (prefill gone?)")
+
+    def _withdraw(self, handle, into_pages: bool) -> None:
+        if into_pages:
+            self.receiver.quarantine.hold(self.receiver.engine, self.expect.request_id, handle)
+        else:
+            self.tainted = True
+            self.receiver.agent.release(handle)
 
     def close(self) -> None:
         for peer in self.peers:
@@ -197,16 +238,32 @@ class _Landing:
                 self.receiver.engine.after_writes(lambda: pool.give_back(staging))
 
 
+def _descriptors(spans) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """spans: (remote address, ScatteredBytes of the pages) for K, then V -> the READ's local
+    pieces (one per run of contiguous page slots) and the remote pieces they pair with."""
+    local, remote = [], []
+    for at, data in spans:
+        for piece in data.pieces:
+            local.append((piece.ctypes.data, piece.nbytes))
+            remote.append((at, piece.nbytes))
+            at += piece.nbytes
+    return local, remote
+
+
 class NixlReceiver(OutOfBandReceiver):
     plane = NIXL
 
     def __init__(self, client: PrefillClient, engine: DecodeEngine, agent: NixlAgent,
                  counters: Counters | None = None,
-                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> None:
+                 read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, into_pages: bool = True,
+                 log=None) -> None:
         super().__init__(client, engine)
         self.agent = agent
         self.read_timeout_s = read_timeout_s
-        self.staging = StagingPool(agent, counters if counters is not None else Counters())
+        counters = counters if counters is not None else Counters()
+        self.staging = StagingPool(agent, counters)
+        self.quarantine = ReadQuarantine(agent, counters)
+        self.pool = PoolRegistration(agent, into_pages, log)
         self._sections: dict[str, int] = {}  # peer agent -> buffer metadata loaded since added
         self._users: dict[str, int] = {}  # peer agent -> handoffs using it now
 
@@ -232,8 +289,21 @@ class NixlReceiver(OutOfBandReceiver):
             del self._sections[peer], self._users[peer]
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
+        self.pool.register(self.engine.pool)
+        if self.pool.pages is not None and not self.engine.pool.allocator.holds(
+                job.expect.request_id):  # a quarantine found no fresh pages for it
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV_POOL_EXHAUSTED",
+                               "decode's KV pages for this request are quarantined behind a "
+                               "NIXL READ that did not finish and no others are free; retry")
         landing = _Landing(self, job.expect, time.monotonic() + handoff_budget(job.timeout_s))
-        return await self._receive_through(landing, self._request(job), job, record)
+        return await self._receive_through(landing, self._request(job), job, record,
+                                           landing.deliver)
+
+    async def close(self) -> None:
+        """Stops the quarantine's watcher; deregisters the pool unless a READ may still land."""
+        self.quarantine.close()
+        if not self.quarantine.held_pages:
+            self.pool.close()
 
 
 def nixl_receivers(config: DecodeConfig, client: PrefillClient, engine: DecodeEngine,
@@ -249,4 +319,7 @@ def nixl_receivers(config: DecodeConfig, client: PrefillClient, engine: DecodeEn
     if agent is None:
         log.info("nixl_unavailable", message=f"decode does not use the NIXL plane: {why}")
         return {}
-    return {NIXL: NixlReceiver(client, engine, agent, counters, config.nixl_read_timeout_s)}
+    receiver = NixlReceiver(client, engine, agent, counters, config.nixl_read_timeout_s,
+                            log=log)
+    receiver.pool.register(engine.pool)  # logs which path the plane lands through
+    return {NIXL: receiver}

@@ -118,18 +118,34 @@ class NixlAgent:
         with self._lock:
             self._agent.remove_remote_agent(name)
 
+    def register_memory(self, address: int, size: int, mem_type: str = "DRAM") -> Registration:
+        """Registers [address, +size) of memory that outlives the registration and that no peer
+        is told about (decode's own pool: DRAM, or VRAM with the GPU's device id 0)."""
+        with self._lock:
+            descs = self._agent.register_memory([(address, size, 0, "")], mem_type)
+        return Registration(address, size, descs)
+
     def read(self, local: np.ndarray, remote: list[tuple[int, int]], peer: str):
         """Posts one READ of the remote (address, length) pieces into local, back to back ->
         (handle, state). Raises when NIXL refuses it (for example a range the peer never
         registered: NIXL checks remote descriptors against the peer's registrations)."""
         base, pieces, at = local.ctypes.data, [], 0
         for _, length in remote:
-            pieces.append((base + at, length, 0))
+            pieces.append((base + at, length))
             at += length
         if at > local.nbytes:
             raise ValueError(f"{at} bytes do not fit a {local.nbytes}-byte buffer")
+        return self.read_pieces(pieces, remote, peer)
+
+    def read_pieces(self, local: list[tuple[int, int]], remote: list[tuple[int, int]],
+                    peer: str, local_type: str = "DRAM"):
+        """Posts one READ: remote piece i (address, length) into local piece i (address of
+        registered memory of this agent, same length) -> (handle, state). Raises when NIXL
+        refuses it; nothing is in flight then."""
+        if len(local) != len(remote) or any(a[1] != b[1] for a, b in zip(local, remote)):
+            raise ValueError("local and remote pieces differ in number or length")
         with self._lock:
-            mine = self._agent.get_xfer_descs(pieces, "DRAM")
+            mine = self._agent.get_xfer_descs([(a, n, 0) for a, n in local], local_type)
             theirs = self._agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
             handle = self._agent.initialize_xfer("READ", mine, theirs, peer)
             try:

@@ -1,12 +1,15 @@
-"""Decode's NIXL receiver fails closed: it READs each chunk into its own staging buffer and the
-1.1 checksums are checked over that copy; corrupt bytes, a READ that never completes, a peer
-killed mid-transfer and references outside the buffer are refused, the pages come back, a
-staging buffer a READ may still land in is never reused, and decode serves the next handoff;
-prefill frees a buffer decode never releases once the grace period passes."""
+"""Decode's NIXL receiver fails closed: it READs each chunk straight into the reservation's
+pages (a CPU pool; a staging buffer of its own elsewhere) and the 1.1 checksums are checked over
+what landed; corrupt bytes, a READ that never completes, a peer killed mid-transfer and
+references outside the buffer are refused, the pages come back, pages (or a staging buffer) a
+READ may still land in are never handed out before the transfer is over (D-67a), and decode
+serves the next handoff; prefill frees a buffer decode never releases once the grace period
+passes."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -59,7 +62,25 @@ def peer(harness, agent):
 
 @pytest.fixture
 def receiver(agent):
-    return NixlReceiver(None, None, agent, Counters(), READ_TIMEOUT_S)
+    r = NixlReceiver(None, None, agent, Counters(), READ_TIMEOUT_S)
+    yield r
+    asyncio.run(r.close())
+
+
+@pytest.fixture
+def staging_receiver(agent):
+    """The path a GPU pool takes: READs into a staging buffer, then the engine's writes."""
+    r = NixlReceiver(None, None, agent, Counters(), READ_TIMEOUT_S, into_pages=False)
+    yield r
+    asyncio.run(r.close())
+
+
+def _quarantine_over(receiver: NixlReceiver, timeout_s: float = 30.0) -> None:
+    """Waits (bounded) until every quarantined READ is known over and its pages released."""
+    end = time.monotonic() + timeout_s
+    while receiver.quarantine.held_pages and time.monotonic() < end:
+        time.sleep(0.01)
+    assert receiver.quarantine.held_pages == 0, receiver.quarantine.owners()
 
 
 def _handoff(h: Harness, peer: NixlPeer, request_id: str, nonce: bytes):
@@ -127,13 +148,21 @@ def _refused(h, receiver, frames, nonce, request_id, die_after=None) -> HandoffR
     assert record.state == TransferState.FAILED and record.failure == err.reason
     assert client.call.cancelled and client.released == [(request_id, nonce)]
     h.engine.release(request_id)
+    _quarantine_over(receiver)
     assert h.pages_free() == baseline
     return err
 
 
 def test_a_good_handoff_lands_exactly_the_bytes_prefill_packed(harness, receiver, peer):
     _good(harness, receiver, peer, "good")
-    assert receiver.staging.quarantined == []
+    assert receiver.pool.pages is not None  # straight into the pages: no staging buffer
+    assert receiver.staging._buffers.idle_bytes == 0 and receiver.staging.quarantined == []
+
+
+def test_the_staging_path_lands_the_same_bytes(harness, staging_receiver, peer):
+    _good(harness, staging_receiver, peer, "good-staged")
+    assert staging_receiver.pool.pages is None
+    assert staging_receiver.staging._buffers.idle_bytes > 0  # handed back after the writes
 
 
 def test_corrupt_landed_bytes_are_refused(harness, receiver, peer):
@@ -143,12 +172,59 @@ def test_corrupt_landed_bytes_are_refused(harness, receiver, peer):
     peer.ask("flip", layer_bytes + 5)  # layer 1's first chunk, after prefill packed it
     err = _refused(harness, receiver, frames, nonce, "corrupt")
     assert (err.reason, err.code) == ("CHECKSUM_MISMATCH", grpc.StatusCode.DATA_LOSS)
-    assert receiver.staging.quarantined == []  # the READ was done: the buffer serves again
+    assert receiver.quarantine.counters.get("nixl_reads_quarantined") == 0  # the READ was DONE
     _good(harness, receiver, peer, "after-corrupt")
 
 
-def test_a_read_that_never_completes_is_refused_and_its_buffer_never_reused(
+def _quarantined_pages(h: Harness, receiver: NixlReceiver) -> set[int]:
+    (owner,) = receiver.quarantine.owners()
+    return set(h.pool.allocator.page_table(owner))
+
+
+def _not_reused_until_over(h: Harness, receiver: NixlReceiver, peer: NixlPeer, baseline,
+                           stale: set[int]) -> None:
+    """While the READ may land: the stale pages stay out of the pool (a reservation of every
+    free page gets none of them); once the peer progresses, the READ ends and they come back."""
+    free, total = h.pages_free()
+    assert (free + len(stale), total) == baseline
+    asyncio.run(engine_answer(lambda done: h.engine.reserve("everything", free * 16, done)))
+    assert not set(h.pool.allocator.page_table("everything")) & stale
+    h.engine.release("everything")
+    assert receiver.quarantine.held_pages == len(stale)  # still in flight: still held
+    peer.ask("resume")
+    _quarantine_over(receiver)
+    assert h.pages_free() == baseline
+    counters = receiver.quarantine.counters
+    assert counters.get("nixl_quarantines_ended") == counters.get("nixl_reads_quarantined") == 1
+
+
+def test_a_read_that_never_completes_quarantines_its_pages_until_the_transfer_ends(
         harness, receiver, peer):
+    baseline = harness.pages_free()
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "stalled", nonce)
+    peer.ask("stall")
+    resumed = False
+    try:
+        client = FakeClient(frames)
+        err, record = _run(harness, receiver, client, "stalled", nonce)
+        assert isinstance(err, HandoffRefused), err
+        assert (err.reason, err.code) == ("TRANSFER_TIMEOUT", grpc.StatusCode.DEADLINE_EXCEEDED)
+        assert record.state == TransferState.FAILED and client.released == [("stalled", nonce)]
+        stale = _quarantined_pages(harness, receiver)
+        assert stale and not stale & set(harness.pool.allocator.page_table("stalled"))
+        harness.engine.release("stalled")
+        resumed = True
+        _not_reused_until_over(harness, receiver, peer, baseline, stale)
+    finally:
+        if not resumed:
+            peer.ask("resume")
+    _good(harness, receiver, peer, "after-stall")  # decode still serves
+
+
+def test_the_staging_path_never_reuses_a_buffer_a_read_may_land_in(
+        harness, staging_receiver, peer):
+    receiver = staging_receiver
     nonce = new_nonce()
     frames, _ = _handoff(harness, peer, "stalled", nonce)
     peer.ask("stall")
@@ -179,20 +255,23 @@ class _KillingList(list):
             yield frame
 
 
-def test_a_handoff_cancelled_mid_read_never_returns_the_buffer_the_read_may_land_in(
+def test_a_handoff_cancelled_mid_read_quarantines_the_pages_the_read_may_land_in(
         harness, receiver, peer):
     baseline = harness.pages_free()
     nonce = new_nonce()
     frames, _ = _handoff(harness, peer, "cancelled", nonce)
     peer.ask("stall")
+    resumed = False
     try:
         with pytest.raises(asyncio.CancelledError):
             _run(harness, receiver, FakeClient(frames), "cancelled", nonce, cancel_after=0.5)
+        stale = _quarantined_pages(harness, receiver)
+        harness.engine.release("cancelled")
+        resumed = True
+        _not_reused_until_over(harness, receiver, peer, baseline, stale)
     finally:
-        peer.ask("resume")
-    assert len(receiver.staging.quarantined) == 1
-    harness.engine.release("cancelled")
-    assert harness.pages_free() == baseline
+        if not resumed:
+            peer.ask("resume")
     _good(harness, receiver, peer, "after-cancel")
 
 
