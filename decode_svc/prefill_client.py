@@ -24,6 +24,9 @@ FRAME_OVERHEAD_BYTES = 64 << 10
 PREFILL_METHOD = "/kvhandoff.v1.HandoffService/Prefill"
 # A frame the fast path does not take and that is at least this large is parsed off the loop.
 LARGE_FRAME_BYTES = 64 << 10
+# How long the call that asks why the channel never connected may take (decode_svc.server logs
+# the reason: common.server.tls_diagnosis reads it).
+WHY_PROBE_TIMEOUT_S = 3.0
 
 
 def parse_frame(data: bytes) -> handoff_pb2.PrefillResponse:
@@ -90,8 +93,25 @@ class PrefillClient:
 
     async def info(self, timeout: float, wait_for_ready: bool = True
                    ) -> handoff_pb2.GetPrefillInfoResponse:
-        return await self.stub.GetPrefillInfo(handoff_pb2.GetPrefillInfoRequest(),
-                                              timeout=timeout, wait_for_ready=wait_for_ready)
+        """GetPrefillInfo. A wait_for_ready call that times out says only DEADLINE_EXCEEDED,
+        whatever kept the channel from connecting (a TLS handshake that fails every time
+        included): one more call that does not wait then fails with the channel's last error
+        in its details (UNAVAILABLE: '... Tls handshake failed ...'), which is raised instead
+        (or answers, if prefill has just come up)."""
+        request = handoff_pb2.GetPrefillInfoRequest()
+        try:
+            return await self.stub.GetPrefillInfo(request, timeout=timeout,
+                                                  wait_for_ready=wait_for_ready)
+        except grpc.aio.AioRpcError as err:
+            if not wait_for_ready or err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+            try:
+                return await self.stub.GetPrefillInfo(request, timeout=WHY_PROBE_TIMEOUT_S,
+                                                      wait_for_ready=False)
+            except grpc.aio.AioRpcError as why:
+                if why.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise err from None
+                raise why from None
 
     def prefill(self, request: handoff_pb2.PrefillRequest, timeout: float) -> HandoffStream:
         """A streaming call; iterate it with `async for`, cancel it with `.cancel()`."""

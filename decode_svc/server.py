@@ -23,6 +23,7 @@ from common.server.grpc_server import (TlsFiles, create_server, run_async, serve
 from common.server.loopback import is_loopback_host, is_loopback_target
 from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
+from common.server.tls_diagnosis import DialSide, diagnose
 from decode_svc.cache_scope import identity_of_calls
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
@@ -104,6 +105,25 @@ def _agree_replicas(config: DecodeConfig, runtime: Runtime, infos, current: Deco
     return limits, "", plane, min((i for _, i in infos), key=lambda i: i.max_prompt_tokens)
 
 
+def log_prefill_not_reached(config: DecodeConfig, target: str, err: grpc.aio.AioRpcError,
+                            log) -> None:
+    """prefill_tls_failed (error) with the cause and the fix when gRPC's details show a TLS
+    handshake that failed (wrong CA, SAN mismatch, client certificate missing or refused),
+    else prefill_unreachable (warning) with the code and details."""
+    svc = config.service
+    entries = [e.strip() for e in target.split(",")]
+    host = entries[0].rpartition(":")[0].strip("[]") if len(entries) == 1 else ""
+    side = DialSide(tls=bool(svc.tls_cert), client_cert=bool(svc.tls_cert), ca_file=svc.tls_ca,
+                    server_name=host)
+    tls = diagnose(err.details() or "", target, side)
+    if tls is not None:
+        log.error("prefill_tls_failed", target=target, cause=tls.cause.value,
+                  message=tls.message, code=err.code().name, details=err.details())
+    else:
+        log.warning("prefill_unreachable", target=target, code=err.code().name,
+                    details=err.details())
+
+
 def speaks_bound_handoffs(info) -> bool:
     """Does the prefill advertise a 1.x version with the 1.1 binding?"""
     return any(v.major == PROTOCOL_MAJOR and v.minor >= PROTOCOL_MINOR_BOUND
@@ -119,8 +139,7 @@ async def handshake(config: DecodeConfig, runtime: Runtime, client: PrefillRepli
         try:
             infos = await client.infos(timeout=10.0)
         except grpc.aio.AioRpcError as err:
-            log.warning("prefill_unreachable", target=client.target, code=err.code().name,
-                        details=err.details())
+            log_prefill_not_reached(config, client.target, err, log)
             await asyncio.sleep(1.0)
             continue
         limits, refusal, plane, info = _agree_replicas(config, runtime, infos, state.limits, nixl)

@@ -89,7 +89,7 @@ def test_decode_without_a_trusted_certificate_never_reaches_prefill(secured, ide
     decode = start("decode", root / f"decode-{identity}",
                    [*MODEL_FLAGS, "--prefill", prefill.address, *flags], wait_healthy=False)
     try:
-        wait_log(decode.log_path, "prefill_unreachable", decode.proc)
+        wait_log(decode.log_path, "prefill_tls_failed", decode.proc)  # names TLS, not "unreachable"
         request = generate_pb2.GenerateRequest(max_tokens=4)
         request.token_ids.ids.extend([3, 4, 5])
         with (grpc.insecure_channel(decode.address) as channel,
