@@ -31,7 +31,10 @@ def chunk_crc(c: handoff_pb2.KvChunk, nonce: bytes | None = None) -> int:
 
 
 def commit_crc(c: handoff_pb2.HandoffCommit, nonce: bytes | None = None) -> int:
-    """CRC-32C of request id, nonce, token count, chunk count, first token, status."""
+    """CRC-32C of request id, nonce, token count, chunk count, first token, status, then (1.2)
+    the cached token count when it is not 0."""
+    cached = struct.pack("<I", c.cached_tokens) if c.cached_tokens else b""
     return google_crc32c.value(
         _lp(c.request_id.encode()) + _lp(c.nonce if nonce is None else nonce)
-        + struct.pack("<IQII", c.token_count, c.chunk_count, c.first_token_id, c.status))
+        + struct.pack("<IQII", c.token_count, c.chunk_count, c.first_token_id, c.status)
+        + cached)

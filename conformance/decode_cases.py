@@ -10,6 +10,7 @@ import grpc
 
 from common.pb.kvhandoff.v1 import handoff_pb2
 from conformance.decode_binding_cases import binding_cases
+from conformance.decode_cache_cases import cache_count_cases
 from conformance.decode_edits import (
     chunk_with_reference,
     drop_chunk,
@@ -231,6 +232,7 @@ def decode_cases(stall_deadline: float = 3.0) -> list[DecodeCase]:
                        *g(i)[:2], Sleep(STALL_SECONDS)],
                    Expect(C.DEADLINE_EXCEEDED, "HANDOFF_TIMEOUT"), deadline=stall_deadline),
         *binding_cases(),
+        *cache_count_cases(),
         _good_case("good_after_refusals", "D-25", "the reference's frames, unchanged, after "
                    "every refusal", lambda i: list(i.ref.original)),
     ]

@@ -50,6 +50,7 @@ REFUSAL_STATUS: dict[str, grpc.StatusCode] = {
     "KV_NOT_FINITE": C.DATA_LOSS,
     "KV_LAYER0_MISMATCH": C.DATA_LOSS,
     "KV_DEPTH_MISMATCH": C.DATA_LOSS,
+    "CACHED_TOKENS_INVALID": C.INTERNAL,
 }
 
 # Decode's refusals specific to the data planes (SPEC.md section 10.3); the inline suite can

@@ -89,7 +89,8 @@ async def receive_handoff(client: PrefillClient | PrefillReplicas, engine: Decod
                 else:
                     write_chunk(engine, expect.request_id, chunk)
                 record.bytes_landed = received
-        landed = LandedKv(verifier.finish(), received, verifier.bound)
+        landed = LandedKv(verifier.finish(), received, verifier.bound,
+                          cached_tokens=verifier.cached_tokens)
         record.move(TransferState.SUCCESS)
         return landed
     except grpc.aio.AioRpcError as err:

@@ -6,10 +6,14 @@ the lifecycle's hand-off stage, which comes before any token is streamed; so by 
 retry never follows a token. Which failures it retries:
 - transport (reason label `transport`): PEER_UNAVAILABLE (UNAVAILABLE, a peer that died or
   reset the stream), TRANSFER_FAILED and TRANSFER_TIMEOUT (an out-of-band plane failed);
-- refused (label `refused`): any other refusal of the handoff's form or of the peer (a bad
-  frame, a checksum, PEER_REJECTED ...): never on the same replica, once more on another;
-- never: HANDOFF_TIMEOUT (the budget is spent), and anything that is not a HandoffRefused
-  (decode's own failures, a client that left).
+- refused (label `refused`): any other refusal of the handoff's form, of its content (the
+  job's `check`, run inside each attempt: KV_LAYER0_MISMATCH, KV_DEPTH_MISMATCH) or of the peer
+  (a bad frame, a checksum, PEER_REJECTED ...): never on the same replica, once more on another;
+- never: HANDOFF_TIMEOUT (the budget is spent); KV_NOT_FINITE (decode's finiteness record of a
+  request accumulates over every write into its pages, so another replica's KV would be refused
+  too, and wrongly counted against it); and anything that is not a HandoffRefused (decode's own
+  failures, such as CONTENT_CHECK_FAILED, and a client that left).
+Every refusal, retried or not, counts against the replica that sent the handoff.
 At most `max_retries` retries per request, each on a replica the request has not tried, within
 what is left of the first attempt's budget. Every attempt's outcome goes to the replica's
 breaker (prefill_replicas.report), so a replica that keeps failing is ejected.
@@ -36,7 +40,7 @@ from decode_svc.prefill_replicas import PrefillReplicas
 
 DEFAULT_MAX_RETRIES = 2
 TRANSPORT_REASONS = frozenset({"PEER_UNAVAILABLE", "TRANSFER_FAILED", "TRANSFER_TIMEOUT"})
-NEVER_RETRIED = frozenset({"HANDOFF_TIMEOUT"})
+NEVER_RETRIED = frozenset({"HANDOFF_TIMEOUT", "KV_NOT_FINITE"})
 MIN_RETRY_BUDGET_S = 0.5
 
 
@@ -54,7 +58,7 @@ def fresh_job(job: HandoffJob, timeout_s: float) -> HandoffJob:
     request.CopyFrom(job.request)
     request.nonce = nonce
     return HandoffJob(request, dataclasses.replace(job.expect, nonce=nonce), job.sampling,
-                      timeout_s)
+                      timeout_s, job.check)
 
 
 class RetryingReceiver(KvReceiver):
@@ -81,6 +85,8 @@ class RetryingReceiver(KvReceiver):
             while True:
                 try:
                     landed = await self.inner.receive(job, record)
+                    if job.check is not None:  # the content checks judge this attempt too
+                        landed = await job.check(landed, job)
                 except HandoffRefused as err:
                     self.replicas.report(request_id, err.reason)
                     why = retry_class(err)

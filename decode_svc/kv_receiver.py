@@ -17,6 +17,7 @@ Invariants every receiver keeps:
 from __future__ import annotations
 
 import abc
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from common.handoff.transfer import TransferRecord
@@ -33,6 +34,9 @@ class HandoffJob:
     expect: Expectation
     sampling: SamplingConfig
     timeout_s: float
+    # decode's content checks (decode_svc/content_gate.py): a receiver that retries on another
+    # replica runs them inside each attempt, so that a content refusal is the attempt's outcome
+    check: Callable[[LandedKv, HandoffJob], Awaitable[LandedKv]] | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,10 @@ class LandedKv:
     payload_bytes: int
     bound: bool  # protocol 1.1 binding checked (False: a 1.0 prefill the operator allowed)
     own_kv: bool = False
+    # prompt tokens prefill served from its prefix cache (a verified 1.2 commit's count, D-90)
+    cached_tokens: int = 0
+    # the content checks already ran on this KV and passed: first_token is decode's own
+    content_checked: bool = False
 
     @property
     def advisory_first_token(self) -> int:

@@ -3,7 +3,9 @@ OpenAI-compatible HTTP API): admit -> hand off -> verify -> join the batch -> st
 
 Each stage is one method with its own errors: `admit` validates against decode's limits
 (ServiceError, nothing reserved), `_hand_off` reserves pages and lands the KV through the
-receiver (HandoffRefused), `_check_content` recomputes and compares (HandoffRefused), `_join`
+receiver (HandoffRefused), the content gate recomputes and compares (HandoffRefused; inside each
+attempt when the retry wraps the receiver, so that a content refusal is retried on another
+replica: decode_svc/content_gate.py), `_join`
 puts the sequence in the running batch, `_stream` turns engine events into transport-neutral
 `Token`/`Finished` events. `generate` runs the stages, logs and counts every ending once, and
 raises a ServiceError for the adapter to put on its wire (gRPC status, HTTP error object).
@@ -34,7 +36,7 @@ from common.text.detokenizer import IncrementalDetokenizer
 from common.text.stop_strings import StopStrings
 from common.tokenizer import Tokenizer
 from decode_svc.cache_scope import cache_scope
-from decode_svc.content_check import ContentVerdict
+from decode_svc.content_gate import ContentGate
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
 from decode_svc.handoff import HandoffPolicy
@@ -74,6 +76,8 @@ class Finished:
     completion_tokens: int
     text: str  # the text still held back when generation ended
     request_id: str
+    # prompt tokens prefill served from its prefix cache (D-90): whole pages, < prompt_tokens
+    cached_tokens: int = 0
 
 
 Event = Token | Finished
@@ -97,6 +101,7 @@ class RequestLifecycle:
         self.metrics = metrics
         self.log = log
         self.policy = policy
+        self.content = ContentGate(engine, policy)
 
     def limits(self) -> DecodeLimits:
         if self.state.refusing:
@@ -136,11 +141,11 @@ class RequestLifecycle:
         log, received = admitted.log, admitted.received
         events: asyncio.Queue = asyncio.Queue()
         try:
-            first = await self._hand_off(admitted, time_remaining)
-            self._join(admitted, first, events)
+            landed = await self._hand_off(admitted, time_remaining)
+            self._join(admitted, landed.first_token, events)
             async for event in self._stream(events, admitted.request_id,
                                             len(admitted.prompt.token_ids), received,
-                                            StopStrings(admitted.stops)):
+                                            StopStrings(admitted.stops), landed.cached_tokens):
                 yield event
             log.info("request_finished", seconds=round(time.monotonic() - received, 4))
         except (asyncio.CancelledError, GeneratorExit):  # client gone (Ctrl-C) or deadline
@@ -167,9 +172,10 @@ class RequestLifecycle:
         finally:
             self.engine.release(admitted.request_id)
 
-    async def _hand_off(self, admitted: Admitted, time_remaining: float | None) -> int:
-        """Stages 2-3: reserve the pages, land the KV through the receiver, check its content;
-        returns the first token to stream (decode's own)."""
+    async def _hand_off(self, admitted: Admitted, time_remaining: float | None) -> LandedKv:
+        """Stages 2-3: reserve the pages, land the KV through the receiver, check its content
+        (unless the receiver chain did); returns the landing, whose first token is the one to
+        stream (decode's own)."""
         request_id, prompt, sampling = admitted.request_id, admitted.prompt, admitted.sampling
         await self._reserve(request_id, prompt.reserve_tokens)
         queued = time.monotonic()
@@ -181,20 +187,22 @@ class RequestLifecycle:
             cache_scope=admitted.cache_scope)
         expect = Expectation(request_id, len(prompt.token_ids), self.layout, self.fingerprint,
                              self.max_chunk_bytes, admitted.limits.vocab_size, nonce,
-                             prompt_digest(prompt.token_ids), self.policy.allow_protocol_1_0)
+                             prompt_digest(prompt.token_ids), self.policy.allow_protocol_1_0,
+                             cache_page_size=self.engine.pool.page_size)
         timeout = (self.handoff_timeout_s if time_remaining is None
                    else min(time_remaining, self.handoff_timeout_s))
         record = TransferRecord(request_id, self.receiver.plane)
-        landed = await self.receiver.receive(
-            HandoffJob(handoff_request, expect, sampling, timeout), record)
-        first = (landed.first_token if landed.own_kv else await self._check_content(
-            landed, request_id, prompt.token_ids, sampling, admitted.log))
+        job = HandoffJob(handoff_request, expect, sampling, timeout,
+                         check=lambda kv, attempt: self.content.check(kv, attempt, admitted.log))
+        landed = await self.content.check(await self.receiver.receive(job, record), job,
+                                          admitted.log)  # a no-op when an attempt ran it
         handed = time.monotonic()
         admitted.log.info("prefilled_locally" if landed.own_kv else "handoff_verified",
                           prompt_tokens=len(prompt.token_ids), bytes=landed.payload_bytes,
-                          plane=record.plane, seconds=round(handed - queued, 4))
+                          cached_tokens=landed.cached_tokens, plane=record.plane,
+                          seconds=round(handed - queued, 4))
         self.metrics.handoff(handed - queued, landed.payload_bytes, queued - admitted.received)
-        return first
+        return landed
 
     def _join(self, admitted: Admitted, first: int, events: asyncio.Queue) -> None:
         """Stage 4: the verified sequence joins the running batch; its events reach `events`
@@ -207,34 +215,12 @@ class RequestLifecycle:
                                    prompt.token_ids + [first], prompt.max_tokens,
                                    admitted.sampling, admitted.stop_ids, emit))
 
-    async def _check_content(self, handoff: LandedKv, request_id: str,
-                             token_ids: list[int], sampling: SamplingConfig, log) -> int:
-        """The KV content checks (raise HandoffRefused); returns the first token to stream:
-        decode's own, from its own logits. Prefill's first_token_id is only compared."""
-        counters = self.engine.counters
-        if not handoff.bound:
-            counters.add("handoffs_protocol_1_0")
-        if not self.policy.content.enabled:
-            return handoff.advisory_first_token
-        verdict: ContentVerdict = await engine_answer(
-            lambda done: self.engine.verify(request_id, token_ids, sampling, done))
-        log.info("handoff_content_verified", prompt_tokens=len(token_ids),
-                 layer0_error=round(verdict.layer0_error, 8),
-                 depth_error=round(verdict.depth_error, 8), positions=list(verdict.positions),
-                 seconds=round(verdict.seconds, 5))
-        if verdict.first_token_id != handoff.advisory_first_token:
-            counters.add("first_token_disagreements")
-            log.warning("first_token_disagrees", prefill_first_token=handoff.advisory_first_token,
-                        decode_first_token=verdict.first_token_id,
-                        message="prefill's first_token_id differs from decode's own; decode's "
-                                "is streamed")
-        return verdict.first_token_id
-
     async def _reserve(self, request_id: str, num_tokens: int) -> None:
         await engine_answer(lambda done: self.engine.reserve(request_id, num_tokens, done))
 
     async def _stream(self, events: asyncio.Queue, request_id: str, prompt_len: int,
-                      received: float, stops: StopStrings) -> AsyncIterator[Event]:
+                      received: float, stops: StopStrings, cached_tokens: int = 0
+                      ) -> AsyncIterator[Event]:
         """Stage 5-6: engine events -> Token/Finished. A stop string ends the stream here (the
         caller's finally releases the sequence); the text held back goes in Finished."""
         detok = IncrementalDetokenizer(self.tokenizer)
@@ -243,7 +229,8 @@ class RequestLifecycle:
         def finished(reason: str, completion_tokens: int, text: str) -> Finished:
             self.metrics.finished(time.monotonic() - received, reason, prompt_len,
                                   completion_tokens, last - first_at)
-            return Finished(reason, prompt_len, completion_tokens, text, request_id)
+            return Finished(reason, prompt_len, completion_tokens, text, request_id,
+                            cached_tokens)
 
         while True:
             event = await events.get()

@@ -37,7 +37,8 @@ def token_response(event: Token) -> generate_pb2.GenerateResponse:
 
 def finished_response(event: Finished) -> generate_pb2.GenerateResponse:
     usage = generate_pb2.Usage(prompt_tokens=event.prompt_tokens,
-                               completion_tokens=event.completion_tokens)
+                               completion_tokens=event.completion_tokens,
+                               cached_prompt_tokens=event.cached_tokens)
     return generate_pb2.GenerateResponse(finished=generate_pb2.GenerationFinished(
         finish_reason=FINISH[event.reason], usage=usage, request_id=event.request_id,
         text=event.text))

@@ -20,12 +20,14 @@ from common.counters import Counters
 from common.errors import ServiceError, abort_with
 from common.handoff.binding import prompt_digest
 from common.handoff.codec import frame_wire, header_frame
-from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout, protocol_version
+from common.handoff.layout import (DEFAULT_MAX_CHUNK_BYTES, PROTOCOL_MINOR_CACHED, KvLayout,
+                                   protocol_version)
 from common.handoff.planes import NIXL, SHARED_MEMORY, TO_PROTO
 from common.log import request_id_from
 from common.metrics import NullMetrics
 from common.pb.kvhandoff.v1 import handoff_pb2, handoff_pb2_grpc
 from common.sampling import SamplingConfig
+from prefill_svc.cached_commit import with_cached_tokens
 from prefill_svc.engine import PrefillEngine, PrefillJob
 from prefill_svc.handoff_leases import DEFAULT_GRACE_S, HandoffLeases
 from prefill_svc.kv_sender import InlineSender, KvSender
@@ -125,6 +127,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
             emit=lambda frame: loop.call_soon_threadsafe(frames.put_nowait, frame),
             sender=self._sender(request), cache_scope=request.cache_scope)
         completed = False
+        reports_cached = request.protocol_version.minor >= PROTOCOL_MINOR_CACHED  # 1.2, P-90
         try:
             yield frame_wire(header_frame(
                 request.request_id, len(job.token_ids), handoff_pb2.HANDOFF_STATUS_OK,
@@ -132,8 +135,8 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
             log.info("prefill_started")
             self.engine.submit(job)
             while (frame := await frames.get()) is not None:
-                yield frame
-                self.engine.frame_sent(job, len(frame))
+                yield with_cached_tokens(frame, job.cached_tokens) if reports_cached else frame
+                self.engine.frame_sent(job, len(frame))  # the bytes the engine emitted
             completed = True
             log.info("prefill_streamed", chunks=job.chunks_sent, plane=job.sender.plane,
                      cached_tokens=job.cached_tokens)

@@ -52,9 +52,11 @@ def chunk_checksum(payload_crc32c: int, metadata: bytes) -> int:
 
 
 def commit_checksum(request_id: str, nonce: bytes, token_count: int, chunk_count: int,
-                    first_token_id: int, status: int) -> int:
+                    first_token_id: int, status: int, cached_tokens: int = 0) -> int:
     """CRC-32C of request id, nonce (length-prefixed), token count (u32), chunk count (u64),
-    first token (u32), status (u32)."""
+    first token (u32), status (u32), then (1.2) cached tokens (u32) only when it is not 0: a
+    commit without it has its 1.1 checksum, so a 1.1 peer's commits stay valid."""
+    cached = struct.pack("<I", cached_tokens) if cached_tokens else b""
     return google_crc32c.value(b"".join((
         _field(request_id.encode()), _field(nonce),
-        struct.pack("<IQII", token_count, chunk_count, first_token_id, status))))
+        struct.pack("<IQII", token_count, chunk_count, first_token_id, status), cached)))

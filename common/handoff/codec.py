@@ -66,13 +66,14 @@ def chunk_frame(request_id: str, sequence_number: int, layer: int, token_start: 
 
 def commit_frame(request_id: str, token_count: int, chunk_count: int, first_token_id: int,
                  status: int = handoff_pb2.HANDOFF_STATUS_OK, reason: str = "",
-                 nonce: bytes = b"") -> handoff_pb2.PrefillResponse:
-    """The commit, its checksum set over the fields it covers."""
+                 nonce: bytes = b"", cached_tokens: int = 0) -> handoff_pb2.PrefillResponse:
+    """The commit, its checksum set over the fields it covers (cached_tokens: 1.2, D-90)."""
     return handoff_pb2.PrefillResponse(commit=handoff_pb2.HandoffCommit(
         request_id=request_id, token_count=token_count, chunk_count=chunk_count,
         first_token_id=first_token_id, status=status, reason=reason, nonce=nonce,
+        cached_tokens=cached_tokens,
         commit_crc32c=commit_checksum(request_id, nonce, token_count, chunk_count,
-                                      first_token_id, status)))
+                                      first_token_id, status, cached_tokens)))
 
 
 # ---- wire path: encoding -------------------------------------------------------------------

@@ -16,9 +16,12 @@ if TYPE_CHECKING:
     from common.model.config import ModelConfig
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2
 # The first minor version whose handoffs are bound to their request (nonce, digest, checksums).
 PROTOCOL_MINOR_BOUND = 1
+# The first minor version whose commits report the prompt tokens served from the prefix cache
+# (HandoffCommit.cached_tokens, SPEC.md D-90): prefill sets it only for a request naming this.
+PROTOCOL_MINOR_CACHED = 2
 DEFAULT_MAX_CHUNK_BYTES = 4 << 20
 TARGET_CHUNK_BYTES = 4 << 20
 

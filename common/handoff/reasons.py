@@ -47,6 +47,8 @@ REFUSAL_CODES: dict[str, grpc.StatusCode] = {
     "KV_NOT_FINITE": C.DATA_LOSS,
     "KV_LAYER0_MISMATCH": C.DATA_LOSS,
     "KV_DEPTH_MISMATCH": C.DATA_LOSS,
+    # 1.2: the commit's count of prompt tokens served from prefill's cache is out of bounds
+    "CACHED_TOKENS_INVALID": C.INTERNAL,
 }
 
 # Prefill's rejection reason codes (header.reason_code) -> status the client of decode sees.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from common.handoff.crc import payload_crc32c
 from common.handoff.binding import chunk_checksum, chunk_metadata, commit_checksum
 from common.handoff.layout import (DEFAULT_MAX_CHUNK_BYTES, PROTOCOL_MAJOR, PROTOCOL_MINOR_BOUND,
-                                   KvLayout, describe_layout)
+                                   PROTOCOL_MINOR_CACHED, KvLayout, describe_layout)
 from common.handoff.reasons import REJECTION_CODES, HandoffRefused, refuse
 from common.pb.kvhandoff.v1 import handoff_pb2
 
@@ -42,6 +42,9 @@ class Expectation:
     nonce: bytes = b""  # as sent in the PrefillRequest
     prompt_digest: bytes = b""  # binding.prompt_digest of the prompt sent
     allow_protocol_1_0: bool = False  # accept an unbound (1.0) handoff: no nonce, no checksums
+    # the page size prefill's cache counts in (D-90: a commit's cached_tokens is a whole number
+    # of them); 0: only the range is checked
+    cache_page_size: int = 0
 
 
 def carried_sizes(chunk) -> tuple[int, int]:
@@ -71,6 +74,10 @@ class HandoffVerifier:
         self._coverage = [bytearray(expect.token_count) for _ in range(expect.layout.num_layers)]
         self.first_token_id: int | None = None
         self.bound = True  # False once a 1.0 header was accepted: no binding fields to check
+        self.minor = 0  # the header's minor version
+        # prompt tokens prefill served from its prefix cache (1.2 commits, D-90; else 0); set
+        # only on a verified commit: 0 <= cached_tokens < token_count, a whole number of pages
+        self.cached_tokens = 0
 
     def _fail(self, reason: str, message: str, code=None) -> HandoffRefused:
         self.state = HandoffState.REFUSED
@@ -130,6 +137,7 @@ class HandoffVerifier:
                              f"{header.protocol_version.major}; this decode speaks "
                              f"{PROTOCOL_MAJOR}")
         self._check_status("header", header.status, header.reason, header.reason_code)
+        self.minor = header.protocol_version.minor
         if header.token_count != self.expect.token_count:
             raise self._fail("TOKEN_COUNT_MISMATCH", f"header token count {header.token_count}, "
                              f"but the prompt sent has {self.expect.token_count} tokens")
@@ -217,11 +225,12 @@ class HandoffVerifier:
         self._check_nonce("commit", commit.nonce)
         if self.bound:
             crc = commit_checksum(commit.request_id, self.expect.nonce, commit.token_count,
-                                  commit.chunk_count, commit.first_token_id, commit.status)
+                                  commit.chunk_count, commit.first_token_id, commit.status,
+                                  commit.cached_tokens)
             if crc != commit.commit_crc32c:
                 raise self._fail("FRAME_CHECKSUM_MISMATCH", f"commit checksum "
                                  f"{commit.commit_crc32c:#010x}, computed {crc:#010x}: its "
-                                 "counts, status or first token were changed")
+                                 "counts, status, first token or cached count were changed")
         self._check_status("commit", commit.status, commit.reason, "")
         if commit.token_count != self.expect.token_count:
             raise self._fail("COMMIT_MISMATCH", f"commit token count {commit.token_count}, "
@@ -236,8 +245,23 @@ class HandoffVerifier:
         if commit.first_token_id >= self.expect.vocab_size:
             raise self._fail("FIRST_TOKEN_INVALID", f"first token {commit.first_token_id} is "
                              f"outside the vocabulary of {self.expect.vocab_size}")
+        self.cached_tokens = self._cached_tokens(commit.cached_tokens)
         self.first_token_id = commit.first_token_id
         self.state = HandoffState.COMMITTED
+
+    def _cached_tokens(self, cached: int) -> int:
+        """D-90: the commit's count of prompt tokens served from prefill's cache, bounded; a
+        header of minor < 2 (which has no such field) means 0, whatever the commit holds."""
+        if self.minor < PROTOCOL_MINOR_CACHED:
+            return 0
+        n, page = self.expect.token_count, self.expect.cache_page_size
+        if cached >= n:
+            raise self._fail("CACHED_TOKENS_INVALID", f"commit says {cached} of the {n} prompt "
+                             "tokens came from prefill's cache; at most all but the last can")
+        if page and cached % page:
+            raise self._fail("CACHED_TOKENS_INVALID", f"commit says {cached} prompt tokens came "
+                             f"from prefill's cache, not a whole number of {page}-token pages")
+        return cached
 
     def finish(self) -> int:
         """Called when the stream ended cleanly; returns the first token or refuses."""

@@ -1,9 +1,9 @@
 """OpenAI response objects for one request: completions (`text_completion`) and chat
 (`chat.completion`, `chat.completion.chunk`), whole or as server-sent-event chunks.
 
-`usage.prompt_tokens_details.cached_tokens` is 0: the prefix cache lives on prefill, and
-protocol v1 does not tell decode how much of a prompt it served (decode verifies every handoff
-in full either way).
+`usage.prompt_tokens_details.cached_tokens` is what prefill's 1.2 commit reported it served
+from its prefix cache, after decode bounded it (SPEC.md D-90: whole pages, fewer than the
+prompt's tokens); 0 from a 1.1 prefill. Decode verifies every handoff in full either way.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def usage(finished: Finished) -> dict:
     return {"prompt_tokens": finished.prompt_tokens,
             "completion_tokens": finished.completion_tokens,
             "total_tokens": finished.prompt_tokens + finished.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": finished.cached_tokens}}
 
 
 def sse(obj: dict) -> bytes:

@@ -38,6 +38,8 @@ DECODE_VARIANTS = {
                                   "kv_deep_layers_of_other_prompt", "kv_stale_range"},
                                  "good_passthrough"),
     "decode_streams_prefill_first_token": ({"first_token_forged"}, "good_passthrough"),
+    "decode_trusts_cached_tokens": ({"cached_tokens_whole_prompt", "cached_tokens_part_page"},
+                                    "good_passthrough"),
     "decode_truncates_long_prompt": ({"prompt_over_window", "prompt_beyond_prefill_pool"},
                                      "good_passthrough"),
     "decode_forwards_prompt_head": ({"request_long_prompt"}, "good_passthrough"),

@@ -76,7 +76,7 @@ def commit(**fields) -> handoff_pb2.PrefillResponse:
               "first_token_id": FIRST, "status": OK, "nonce": NONCE, **fields}
     values.setdefault("commit_crc32c", commit_checksum(
         values["request_id"], values["nonce"], values["token_count"], values["chunk_count"],
-        values["first_token_id"], values["status"]))
+        values["first_token_id"], values["status"], values.get("cached_tokens", 0)))
     return handoff_pb2.PrefillResponse(commit=handoff_pb2.HandoffCommit(**values))
 
 
@@ -176,6 +176,12 @@ CASES = [
                                          commit_crc32c=commit().commit.commit_crc32c)]),
     Refusal("protocol_1_0", "VERSION_UNSUPPORTED",
             [header(protocol_version=common_pb2.ProtocolVersion(major=1, minor=0))]),
+    Refusal("cached_tokens_whole_prompt", "CACHED_TOKENS_INVALID",
+            [header(protocol_version=common_pb2.ProtocolVersion(major=1, minor=2)), *chunks(),
+             commit(cached_tokens=TOKENS)]),
+    Refusal("cached_tokens_part_page", "CACHED_TOKENS_INVALID",
+            [header(protocol_version=common_pb2.ProtocolVersion(major=1, minor=2)), *chunks(),
+             commit(cached_tokens=1)], expect=dataclasses.replace(EXPECT, cache_page_size=2)),
 ]
 
 

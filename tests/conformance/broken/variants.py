@@ -112,7 +112,8 @@ def decode_skips_frame_checksums() -> None:
     def make_commit(original):
         def _on_commit(self, commit):
             crc = commit_checksum(commit.request_id, self.expect.nonce, commit.token_count,
-                                  commit.chunk_count, commit.first_token_id, commit.status)
+                                  commit.chunk_count, commit.first_token_id, commit.status,
+                                  commit.cached_tokens)
             return original(self, _Lens(commit, commit_crc32c=crc))
         return _on_commit
     _patch(HandoffVerifier, "_on_chunk", make_chunk)
@@ -156,6 +157,12 @@ def decode_trusts_region_files() -> None:
     _patch(RegionReader, "__init__", make)
 
 
+def decode_trusts_cached_tokens() -> None:
+    """D-90 broken: a 1.2 commit's cached_tokens is taken as it comes, never bounded."""
+    _patch(HandoffVerifier, "_cached_tokens", lambda original: (
+        lambda self, cached: cached))
+
+
 def decode_skips_finite_check() -> None:
     """D-45 broken: non-finite KV values are not looked for."""
     import decode_svc.engine as engine
@@ -186,14 +193,16 @@ def decode_skips_depth_check() -> None:
 
 def decode_streams_prefill_first_token() -> None:
     """D-48 broken: the checks run, but the commit's first_token_id is streamed."""
-    from decode_svc.lifecycle import RequestLifecycle
+    import dataclasses
+
+    from decode_svc.content_gate import ContentGate
 
     def make(original):
-        async def _check_content(self, handoff, *args):
-            await original(self, handoff, *args)
-            return handoff.advisory_first_token
-        return _check_content
-    _patch(RequestLifecycle, "_check_content", make)
+        async def check(self, landed, *args):
+            checked = await original(self, landed, *args)
+            return dataclasses.replace(checked, first_token=landed.advisory_first_token)
+        return check
+    _patch(ContentGate, "check", make)
 
 
 def _patch_module(module, name: str, make: Callable) -> None:
@@ -484,6 +493,7 @@ VARIANTS: dict[str, tuple[str, Callable[[], None]]] = {
     "decode_skips_layer0_check": ("decode", decode_skips_layer0_check),
     "decode_skips_depth_check": ("decode", decode_skips_depth_check),
     "decode_streams_prefill_first_token": ("decode", decode_streams_prefill_first_token),
+    "decode_trusts_cached_tokens": ("decode", decode_trusts_cached_tokens),
     "prefill_forgets_nonce": ("prefill", prefill_forgets_nonce),
     "prefill_digest_of_other_tokens": ("prefill", prefill_digest_of_other_tokens),
     "prefill_accepts_short_nonce": ("prefill", prefill_accepts_short_nonce),

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from common.pb.kvhandoff.v1 import common_pb2 as kvhandoff_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvhandoff/v1/generate.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"\x9a\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12.\n\x08messages\x18\n \x01(\x0b\x32\x1a.kvhandoff.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.kvhandoff.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\ncache_salt\x18\x0c \x01(\tB\x08\n\x06prompt\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.kvhandoff.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x80\x01\n\x10GenerateResponse\x12-\n\x05token\x18\x01 \x01(\x0b\x32\x1c.kvhandoff.v1.GeneratedTokenH\x00\x12\x34\n\x08\x66inished\x18\x02 \x01(\x0b\x32 .kvhandoff.v1.GenerationFinishedH\x00\x42\x07\n\x05\x65vent\"?\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\x8d\x01\n\x12GenerationFinished\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.kvhandoff.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.kvhandoff.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\n \x01(\t\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32`\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.kvhandoff.v1.GenerateRequest\x1a\x1e.kvhandoff.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bkvhandoff/v1/generate.proto\x12\x0ckvhandoff.v1\x1a\x19kvhandoff/v1/common.proto\"\x9a\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.kvhandoff.v1.TokenIdsH\x00\x12.\n\x08messages\x18\n \x01(\x0b\x32\x1a.kvhandoff.v1.ChatMessagesH\x00\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.kvhandoff.v1.SamplingParams\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\r\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\ncache_salt\x18\x0c \x01(\tB\x08\n\x06prompt\";\n\x0c\x43hatMessages\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.kvhandoff.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x80\x01\n\x10GenerateResponse\x12-\n\x05token\x18\x01 \x01(\x0b\x32\x1c.kvhandoff.v1.GeneratedTokenH\x00\x12\x34\n\x08\x66inished\x18\x02 \x01(\x0b\x32 .kvhandoff.v1.GenerationFinishedH\x00\x42\x07\n\x05\x65vent\"?\n\x0eGeneratedToken\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05index\x18\x03 \x01(\r\"\x8d\x01\n\x12GenerationFinished\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.kvhandoff.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.kvhandoff.v1.Usage\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0c\n\x04text\x18\n \x01(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x32`\n\x11GenerationService\x12K\n\x08Generate\x12\x1d.kvhandoff.v1.GenerateRequest\x1a\x1e.kvhandoff.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvhandoff.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=888
-  _globals['_FINISHREASON']._serialized_end=983
+  _globals['_FINISHREASON']._serialized_start=918
+  _globals['_FINISHREASON']._serialized_end=1013
   _globals['_GENERATEREQUEST']._serialized_start=73
   _globals['_GENERATEREQUEST']._serialized_end=355
   _globals['_CHATMESSAGES']._serialized_start=357
@@ -49,7 +49,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONFINISHED']._serialized_start=686
   _globals['_GENERATIONFINISHED']._serialized_end=827
   _globals['_USAGE']._serialized_start=829
-  _globals['_USAGE']._serialized_end=886
-  _globals['_GENERATIONSERVICE']._serialized_start=985
-  _globals['_GENERATIONSERVICE']._serialized_end=1081
+  _globals['_USAGE']._serialized_end=916
+  _globals['_GENERATIONSERVICE']._serialized_start=1015
+  _globals['_GENERATIONSERVICE']._serialized_end=1111
 # @@protoc_insertion_point(module_scope)

@@ -157,7 +157,7 @@ class KvChunk(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sequence_number: _Optional[int] = ..., layer: _Optional[int] = ..., token_start: _Optional[int] = ..., token_end: _Optional[int] = ..., k: _Optional[bytes] = ..., v: _Optional[bytes] = ..., crc32c: _Optional[int] = ..., nonce: _Optional[bytes] = ..., chunk_crc32c: _Optional[int] = ..., ref: _Optional[_Union[KvRegionRef, _Mapping]] = ...) -> None: ...
 
 class HandoffCommit(_message.Message):
-    __slots__ = ("request_id", "token_count", "chunk_count", "first_token_id", "status", "reason", "nonce", "commit_crc32c")
+    __slots__ = ("request_id", "token_count", "chunk_count", "first_token_id", "status", "reason", "nonce", "commit_crc32c", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class HandoffCommit(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_count: int
     chunk_count: int
@@ -174,7 +175,8 @@ class HandoffCommit(_message.Message):
     reason: str
     nonce: bytes
     commit_crc32c: int
-    def __init__(self, request_id: _Optional[str] = ..., token_count: _Optional[int] = ..., chunk_count: _Optional[int] = ..., first_token_id: _Optional[int] = ..., status: _Optional[_Union[HandoffStatus, str]] = ..., reason: _Optional[str] = ..., nonce: _Optional[bytes] = ..., commit_crc32c: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_count: _Optional[int] = ..., chunk_count: _Optional[int] = ..., first_token_id: _Optional[int] = ..., status: _Optional[_Union[HandoffStatus, str]] = ..., reason: _Optional[str] = ..., nonce: _Optional[bytes] = ..., commit_crc32c: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GetPrefillInfoRequest(_message.Message):
     __slots__ = ()
