@@ -118,12 +118,16 @@ class NixlAgent:
         with self._lock:
             self._agent.remove_remote_agent(name)
 
-    def register_memory(self, address: int, size: int, mem_type: str = "DRAM") -> Registration:
-        """Registers [address, +size) of memory that outlives the registration and that no peer
-        is told about (decode's own pool: DRAM, or VRAM with the GPU's device id 0)."""
+    def register_memory(self, address: int, size: int, mem_type: str = "DRAM", device: int = 0,
+                        share: bool = False) -> Registration:
+        """Registers [address, +size) of memory that outlives the registration (host memory:
+        DRAM; a GPU's: VRAM with its device index). share: also return the partial metadata a
+        peer needs to READ it (decode's own pool never shares)."""
         with self._lock:
-            descs = self._agent.register_memory([(address, size, 0, "")], mem_type)
-        return Registration(address, size, descs)
+            descs = self._agent.register_memory([(address, size, device, "")], mem_type)
+            meta = (bytes(self._agent.get_partial_agent_metadata(descs, True, ["UCX"]))
+                    if share else b"")
+        return Registration(address, size, descs, meta)
 
     def read(self, local: np.ndarray, remote: list[tuple[int, int]], peer: str):
         """Posts one READ of the remote (address, length) pieces into local, back to back ->
@@ -138,15 +142,16 @@ class NixlAgent:
         return self.read_pieces(pieces, remote, peer)
 
     def read_pieces(self, local: list[tuple[int, int]], remote: list[tuple[int, int]],
-                    peer: str, local_type: str = "DRAM"):
+                    peer: str, local_type: str = "DRAM", remote_type: str = "DRAM",
+                    device: int = 0):
         """Posts one READ: remote piece i (address, length) into local piece i (address of
-        registered memory of this agent, same length) -> (handle, state). Raises when NIXL
-        refuses it; nothing is in flight then."""
+        registered memory of this agent, same length) -> (handle, state); VRAM pieces are on
+        GPU `device` (on either side). Raises when NIXL refuses it; nothing is in flight then."""
         if len(local) != len(remote) or any(a[1] != b[1] for a, b in zip(local, remote)):
             raise ValueError("local and remote pieces differ in number or length")
         with self._lock:
-            mine = self._agent.get_xfer_descs([(a, n, 0) for a, n in local], local_type)
-            theirs = self._agent.get_xfer_descs([(a, n, 0) for a, n in remote], "DRAM")
+            mine = self._agent.get_xfer_descs([(a, n, device) for a, n in local], local_type)
+            theirs = self._agent.get_xfer_descs([(a, n, device) for a, n in remote], remote_type)
             handle = self._agent.initialize_xfer("READ", mine, theirs, peer)
             try:
                 return handle, self._agent.transfer(handle)
