@@ -3,6 +3,7 @@ disaggregated pair and for the same engine in one process (decode --local-prefil
 
     kvhandoff bench serve [--modes disaggregated,local | --target HOST:PORT
                            | --backend openai --url http://HOST:PORT/v1 [--server-pids PIDS]]
+        [--variant 'NAME=PREFILL FLAGS[;DECODE FLAGS]' ...] [--rounds N]
         [--num-prompts 64] [--request-rate inf|R[,R...]] [--max-concurrency N[,N...]]
         [--input-len N|LOW:HIGH] [--output-len N|LOW:HIGH] [--warmup-requests 2]
         [--shared-prefix-len N] [--cache-salt SALT]
@@ -21,6 +22,12 @@ server's processes (their children are counted too) for the CPU-seconds-per-toke
 services this command starts are counted without it. `--compare A.json B.json ...` prints the
 side-by-side table of earlier runs' --json files, with each system's ratios to the last one
 (`--ratio-base` to choose), so that the systems run one at a time on the same cores.
+
+`--variant 'b1024=--max-batch-tokens 1024'` adds a disaggregated pair named b1024 whose
+prefill gets those flags (after the CPU placement flags, so they may override them; decode's
+follow a ';'): a setting's A/B in one run, e.g. `--modes disaggregated --variant ...`.
+`--rounds 2` runs every system twice, taking turns (rows MODE#1, MODE#2), so that the drift of
+a loaded host's load does not land on one side only.
 
 The shared-prefix workload: `--shared-prefix-len 1024 --input-len 32 --modes cache-off,cache-on`
 gives every prompt the same 1024-token system prompt before its own 32 tokens, all under one
@@ -42,7 +49,7 @@ from pathlib import Path
 from bench.server_cpu import check_pids, tree_cpu_seconds
 from bench.serve_client import GrpcBackend, LengthRange, make_requests, run_load, warm_up
 from bench.serve_report import print_headline, print_table, summarize, write_plots
-from bench.servers import MODES, model_vocab_size, start_deployment
+from bench.servers import MODES, Variant, model_vocab_size, start_deployment
 from common.server.grpc_server import run_async
 
 
@@ -53,6 +60,13 @@ def _floats(text: str) -> list[float]:
     return [math.inf if p.strip() in ("inf", "") else float(p) for p in text.split(",")]
 
 
+def _variant(text: str) -> Variant:
+    try:
+        return Variant.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _ints(text: str) -> list[int]:
     return [int(p) for p in text.split(",") if p.strip()]
 
@@ -61,6 +75,14 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvhandoff bench serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--modes", default=",".join(MODES), help="disaggregated and/or local")
+    p.add_argument("--variant", type=_variant, action="append", default=[],
+                   metavar="NAME=FLAGS[;DECODE FLAGS]",
+                   help="a disaggregated pair named NAME whose prefill (and decode, after ';') "
+                        "gets these flags; repeatable; runs after --modes (give --modes '' for "
+                        "variants only)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the modes and variants this many times, taking turns (round r's "
+                        "rows are named MODE#r), so drift in the host's load hits them alike")
     p.add_argument("--target", default="", help="benchmark a running decode at HOST:PORT instead")
     p.add_argument("--backend", default="grpc", choices=("grpc", "openai"),
                    help="grpc: our Generate API; openai: an OpenAI-compatible server at --url")
@@ -193,7 +215,10 @@ def compare(paths: list[Path], base: str) -> int:
 def _systems(args) -> list[str]:
     if args.backend == "openai":
         return [args.label]
-    return ["target"] if args.target else [m.strip() for m in args.modes.split(",") if m]
+    if args.target:
+        return ["target"]
+    return [m.strip() for m in args.modes.split(",") if m.strip()] + [v.name for v in
+                                                                      args.variant]
 
 
 def _openai_backend(args):
@@ -213,7 +238,13 @@ def main(argv: list[str]) -> int:
         parser().error("--backend openai needs --model DIR (the server's checkpoint: its "
                        "vocabulary bounds the prompts' ids) or --vocab-size")
     modes = _systems(args)
-    unknown = set(modes) - {*MODES, "target"} if args.backend == "grpc" else set()
+    variants = {v.name: v for v in args.variant}
+    unknown = (set(modes) - {*MODES, "target", *variants} if args.backend == "grpc"
+               else set())
+    if len(set(modes)) < len(modes):
+        parser().error(f"a system named twice in {modes}")
+    if args.rounds < 1:
+        parser().error("--rounds must be >= 1")
     if unknown:
         parser().error(f"unknown modes {sorted(unknown)}; choose from {', '.join(MODES)}")
     try:
@@ -238,24 +269,30 @@ def main(argv: list[str]) -> int:
     started = time.time()
     try:
         with tempfile.TemporaryDirectory(prefix="kvh-bench-serve-") as tmp:
-            for mode in modes:
+            for round_, mode in ((r, m) for r in range(1, args.rounds + 1) for m in modes):
+                label = mode if args.rounds == 1 else f"{mode}#{round_}"
                 if backend is not None or mode == "target":
-                    run_mode(mode, backend or GrpcBackend(args.target), args.server_pids, args,
-                             specs, warmups, loads, results, runs)
+                    run_mode(label, backend or GrpcBackend(args.target), args.server_pids,
+                             args, specs, warmups, loads, results, runs)
                     continue
-                print(f"[{mode}] starting services ...", file=sys.stderr, flush=True)
-                deployment = start_deployment(mode, flags, Path(tmp), args.torch_threads,
+                print(f"[{label}] starting services ...", file=sys.stderr, flush=True)
+                variant = variants.get(mode)
+                deployment = start_deployment("disaggregated" if variant else mode, flags,
+                                              Path(tmp) / label, args.torch_threads,
                                               shlex.split(args.decode_args),
-                                              cpu_split=args.cpu_split)
+                                              cpu_split=args.cpu_split, variant=variant)
                 try:
-                    run_mode(mode, GrpcBackend(deployment.address), deployment.pids, args,
+                    run_mode(label, GrpcBackend(deployment.address), deployment.pids, args,
                              specs, warmups, loads, results, runs)
                 finally:
                     deployment.stop()
     except RuntimeError as err:  # a warm-up that failed, a server that cannot be used
         print(f"\nkvhandoff bench serve: {err}", file=sys.stderr)
         return 1
-    config = {"modes": modes, "model": args.model, "num_prompts": args.num_prompts,
+    config = {"modes": modes, "rounds": args.rounds,
+              "variants": {v.name: {"prefill": list(v.prefill_flags),
+                                    "decode": list(v.decode_flags)} for v in args.variant},
+              "model": args.model, "num_prompts": args.num_prompts,
               "backend": args.backend, "url": args.url,
               "shared_prefix_len": args.shared_prefix_len, "cache_salt": args.cache_salt,
               "input_len": str(args.input_len), "output_len": str(args.output_len),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,28 @@ MODES = ("disaggregated", "local", "cache-off", "cache-on")
 # disaggregated modes whose prefill runs with these flags (the prefix cache off and on)
 PREFILL_FLAGS = {"disaggregated": [], "cache-off": ["--no-prefix-cache"],
                  "cache-on": ["--prefix-cache"]}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A disaggregated pair under its own name whose services get extra flags after their
+    placement flags (so a variant's --torch-threads or --cpu-affinity overrides the split):
+    the A and B of one setting, run side by side by `kvhandoff bench serve --variant`."""
+
+    name: str
+    prefill_flags: tuple[str, ...] = ()
+    decode_flags: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str) -> Variant:
+        """'NAME=PREFILL FLAGS[;DECODE FLAGS]', e.g. 'b1024=--max-batch-tokens 1024'."""
+        name, sep, flags = text.partition("=")
+        name = name.strip()
+        if not sep or not name or name in MODES or not name.replace("-", "").isalnum():
+            raise ValueError(f"--variant {text!r}: write NAME=PREFILL FLAGS[;DECODE FLAGS], "
+                             f"NAME letters, digits and '-', not one of {', '.join(MODES)}")
+        prefill, _, decode = flags.partition(";")
+        return cls(name, tuple(shlex.split(prefill)), tuple(shlex.split(decode)))
 
 
 @dataclass
@@ -60,13 +83,16 @@ def _start(role: str, flags: list[str], workdir: Path, env: dict, timeout: float
 
 def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_threads: int,
                      decode_flags: list[str] = (), timeout: float = 300.0,
-                     cpu_split: bool = True) -> Deployment:
+                     cpu_split: bool = True, variant: Variant | None = None) -> Deployment:
     """Starts `mode` (one of MODES: 'local' is decode --local-prefill, the others a prefill
     and a decode), placed on the CPUs by placement_flags, and waits until decode reports
-    SERVING."""
+    SERVING. With a variant, mode is 'disaggregated' and each service gets the variant's
+    flags last."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: choose one of {', '.join(MODES)}")
-    workdir = workdir / mode
+    extra_prefill = list(variant.prefill_flags) if variant else []
+    decode_flags = [*decode_flags, *(variant.decode_flags if variant else ())]
+    workdir = workdir / (variant.name if variant else mode)
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     deployment = Deployment(mode, "")
@@ -75,7 +101,8 @@ def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_t
         if mode in PREFILL_FLAGS:
             prefill = _start("prefill", [*service_flags, *PREFILL_FLAGS[mode],
                                          *placement_flags("prefill", mode, torch_threads,
-                                                          cpu_split)], workdir, env, timeout)
+                                                          cpu_split), *extra_prefill],
+                             workdir, env, timeout)
             deployment.services.append(prefill)
             decode_extra += ["--prefill", prefill.address]
         else:
