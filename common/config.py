@@ -108,3 +108,5 @@ class DecodeConfig:
     prefill_choice: str = "prefix"  # prefix (rendezvous + load) or round-robin (prefill_choice.py)
     prefill_busy_slack: int = 4  # the favourite is busy at this many more in flight than the least
     handoff_retries: int = 2  # retries of a failed handoff on other replicas, before any token
+    http_slow_reader_s: float = 30.0  # an HTTP stream whose client reads nothing this long ends
+    http_stream_buffer_bytes: int = 256 << 10  # bytes a slow HTTP stream may queue in decode

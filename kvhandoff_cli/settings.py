@@ -94,6 +94,11 @@ ROLE_HELP = {
                       "round-robin",
     "prefill_busy_slack": "handoffs in flight beyond the least loaded replica's at which a "
                           "request's favourite replica counts as busy",
+    "http_slow_reader_s": "seconds an HTTP stream may wait for its client to read before "
+                          "it is cancelled and its pages freed",
+    "http_stream_buffer_bytes": "bytes of an HTTP stream decode may hold for a client that "
+                                "reads slowly (socket send buffer and write buffer) before "
+                                "generation waits for it",
     "handoff_retries": "times a handoff that failed before any token was sent is asked "
                        "again on another prefill replica",
     "max_batch": "sequences in the running decode batch",
@@ -135,6 +140,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
     "nixl_read_timeout_s": (0.001, None), "torch_threads": (0, 1024),
     "prefill_busy_slack": (1, None), "handoff_retries": (0, 5),
+    "http_slow_reader_s": (0.001, None), "http_stream_buffer_bytes": (4096, None),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
            "kernels": ("auto", "triton", "torch", "cpu"),

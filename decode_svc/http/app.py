@@ -9,9 +9,11 @@ hand off, verify, join, stream, finish: same checks, logs, metrics, page release
 `Authorization: Bearer <token>` checked by the tenant table gRPC uses (health and metrics stay
 open, as gRPC health does); a client that disconnects cancels its handler (aiohttp's
 handler_cancellation), which cancels the lifecycle and frees its pages; a reader slower than
-generation is backpressured by the socket (each write awaits the transport's drain past its
-high-water mark, the request's token events wait in its own queue, at most max_tokens of them),
-and one that reads nothing for SLOW_READER_TIMEOUT_S is cut off and its pages freed. The HTTP
+generation is backpressured by the socket (a stream's socket send buffer and the transport's
+write buffer together hold about StreamLimits.buffer_bytes; past that each write awaits the
+transport's drain, and the request's token events wait in its own queue, at most max_tokens of
+them), and one whose write waits StreamLimits.slow_reader_s is cut off (its connection closed)
+and its pages freed. The HTTP
 status comes from the lifecycle's gRPC code (decode_svc.http.errors); a refusal before the
 first token is a plain error response, one after it (the stream has begun) is an SSE error
 event followed by [DONE].
@@ -21,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import ssl
 import time
 from collections.abc import Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -41,7 +45,6 @@ from decode_svc.http.responses import DONE, Reply, sse
 from decode_svc.lifecycle import Admitted, Finished, RequestLifecycle
 
 C = grpc.StatusCode
-SLOW_READER_TIMEOUT_S = 30.0
 MAX_BODY_BYTES = 32 << 20
 DENIED = "missing or wrong bearer token in the Authorization header"
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -73,6 +76,32 @@ async def errors_as_objects(request: web.Request, handler):
         return error_response(ServiceError(C.INTERNAL, "INTERNAL", f"decode failed: {exc}"))
 
 
+@dataclass(frozen=True)
+class StreamLimits:
+    """How much a streamed response may wait for and hold for a slow client
+    (--http-slow-reader-s, --http-stream-buffer-bytes)."""
+
+    slow_reader_s: float = 30.0
+    buffer_bytes: int = 256 << 10
+
+    @classmethod
+    def from_config(cls, config) -> StreamLimits:
+        return cls(config.http_slow_reader_s, config.http_stream_buffer_bytes)
+
+
+def bound_stream_buffers(request: web.Request, buffer_bytes: int) -> None:
+    """Caps what one stream's connection queues for its client at about buffer_bytes: half in
+    the socket's send buffer (fixed, instead of the kernel's autotuning up to megabytes), half
+    in the transport's write buffer."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes // 4)  # Linux doubles
+    transport.set_write_buffer_limits(high=buffer_bytes // 2)
+
+
 class OpenAiApi:
     """tenant_of: the check of the tenant table the gRPC interceptor uses (metadata -> tenant
     or None; None: no auth), on_call: its per-tenant call count; serving: the gRPC server's
@@ -80,7 +109,9 @@ class OpenAiApi:
 
     def __init__(self, lifecycle: RequestLifecycle, model_id: str, serving, registry, log,
                  tenant_of: Callable[[list], str | None] | None = None,
-                 on_call: Callable[[str], None] | None = None) -> None:
+                 on_call: Callable[[str], None] | None = None,
+                 limits: StreamLimits | None = None) -> None:
+        self.limits = limits or StreamLimits()
         self.lifecycle = lifecycle
         self.model_id = model_id
         self.tenant_of = tenant_of
@@ -198,7 +229,7 @@ class OpenAiApi:
 
         async def send(data: bytes) -> None:
             if data:
-                async with asyncio.timeout(SLOW_READER_TIMEOUT_S):
+                async with asyncio.timeout(self.limits.slow_reader_s):
                     await response.write(data)
 
         try:
@@ -208,6 +239,7 @@ class OpenAiApi:
                         response = web.StreamResponse(
                             headers={**SSE_HEADERS, "X-Request-Id": admitted.request_id})
                         await response.prepare(request)
+                        bound_stream_buffers(request, self.limits.buffer_bytes)
                         await send(reply.first_chunk())
                     if isinstance(event, Finished):
                         await send(reply.final_chunks(event.text, event, include_usage))
@@ -218,9 +250,11 @@ class OpenAiApi:
                 return error_response(err)
             await send(sse(error_object(err)) + DONE)
         except TimeoutError:
-            admitted.log.warning("client_too_slow", seconds=SLOW_READER_TIMEOUT_S,
+            admitted.log.warning("client_too_slow", seconds=self.limits.slow_reader_s,
                                  message="the client read nothing for this long; the request "
                                          "was cancelled and its pages freed")
+            if request.transport is not None:  # what it holds is never read: drop it
+                request.transport.abort()
         except ConnectionError:
             pass  # the client went away mid-write: the lifecycle was closed and released
         return response
@@ -258,6 +292,7 @@ async def serve_openai(config, lifecycle: RequestLifecycle, serving, registry, a
     if config.http_port < 0:
         return None, -1
     api = OpenAiApi(lifecycle, svc.model, serving, registry, log,
-                    auth.tokens.tenant_of if auth else None, auth.metrics.call if auth else None)
+                    auth.tokens.tenant_of if auth else None, auth.metrics.call if auth else None,
+                    StreamLimits.from_config(config))
     tls = tls_context(config.api_tls_cert, config.api_tls_key) if config.api_tls_cert else None
     return await start_http(api, svc.host, config.http_port, tls)
