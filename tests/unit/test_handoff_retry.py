@@ -2,10 +2,14 @@
 opens real (doomed) Prefill calls through PrefillReplicas: unhealthy and ejected replicas are
 skipped, a transport failure is asked again on another replica with a fresh nonce, a refusal is
 never asked again on the same replica, a deadline is never retried, in-flight counts return to
-zero, and a replica that keeps failing is ejected and comes back after its cool-down."""
+zero, and a replica that keeps failing is ejected and comes back after its cool-down. A content
+refusal (the job's check, run inside each attempt) counts against the replica that sent the KV
+and is retried on another, never the same one; non-finite KV is counted but not retried; a check
+that cannot run says nothing of the replica."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import grpc
@@ -13,6 +17,7 @@ import torch
 import pytest
 
 from common.counters import Counters
+from common.errors import ServiceError
 from common.handoff.layout import KvLayout
 from common.handoff.reasons import HandoffRefused, refuse
 from common.handoff.transfer import TransferRecord, TransferState
@@ -223,3 +228,72 @@ def _key_and_candidates(replicas: PrefillReplicas, j: HandoffJob):
     from decode_svc.prefill_choice import Candidate, route_key
     return (route_key(j.request.cache_scope, j.request.token_ids, 4),
             [Candidate(n, 0) for n in NAMES])
+
+
+# ---- content refusals (decode's layer-0/depth checks run inside each attempt, via job.check) --
+def with_content_check(replicas: PrefillReplicas, j: HandoffJob, verdicts: dict):
+    """j with a content check that refuses (or fails) as `verdicts` says for the replica the
+    attempt reached, and otherwise passes with decode's own first token 9; -> (job, checked)."""
+    checked: list[tuple[str, bytes]] = []
+
+    async def check(landed: LandedKv, attempt: HandoffJob) -> LandedKv:
+        name = replicas.last_tried(attempt.request.request_id)
+        checked.append((name, bytes(attempt.request.nonce)))
+        if name in verdicts:
+            raise verdicts[name]
+        return dataclasses.replace(landed, first_token=9, content_checked=True)
+    return dataclasses.replace(j, check=check), checked
+
+
+async def test_a_content_refusal_counts_against_its_replica_and_is_retried_elsewhere():
+    replicas, inner, receiver, retried, ejected = make({}, failures_to_eject=1)
+    favourite = replicas.chooser.choose(*_key_and_candidates(replicas, job()))
+    j, checked = with_content_check(replicas, job(), {
+        favourite: refuse("KV_LAYER0_MISMATCH", "layer 0 differs")})
+    landed = await receiver.receive(j, TransferRecord("r1", "inline"))
+    assert landed.content_checked and landed.first_token == 9  # the second replica's, checked
+    assert [n for n, _ in checked] == [n for n, _ in inner.seen]  # every attempt checked
+    (first, n1), (second, n2) = checked
+    assert first == favourite and second != favourite and n1 != n2  # a fresh nonce
+    assert retried == ["refused"]
+    assert ejected == [favourite]  # the refusal was the favourite's failure
+    assert replicas.replicas[second].breaker.failures == 0
+    await replicas.close()
+
+
+async def test_a_content_refusal_is_never_asked_again_of_the_same_replica():
+    replicas, inner, receiver, retried, _ = make({})
+    bad = refuse("KV_DEPTH_MISMATCH", "depth differs")
+    j, checked = with_content_check(replicas, job(), {n: bad for n in NAMES})
+    with pytest.raises(HandoffRefused) as caught:
+        await receiver.receive(j, TransferRecord("r1", "inline"))
+    assert caught.value.reason == "KV_DEPTH_MISMATCH"
+    assert sorted(n for n, _ in checked) == sorted(NAMES)  # each replica once
+    assert retried == ["refused", "refused"]
+    assert all(r.breaker.failures == 1 for r in replicas.replicas.values())
+    await replicas.close()
+
+
+async def test_non_finite_kv_counts_against_its_replica_but_is_not_retried():
+    replicas, inner, receiver, retried, ejected = make({}, failures_to_eject=1)
+    favourite = replicas.chooser.choose(*_key_and_candidates(replicas, job()))
+    j, checked = with_content_check(replicas, job(), {
+        favourite: refuse("KV_NOT_FINITE", "NaN")})
+    with pytest.raises(HandoffRefused) as caught:
+        await receiver.receive(j, TransferRecord("r1", "inline"))
+    assert caught.value.reason == "KV_NOT_FINITE"
+    assert [n for n, _ in checked] == [favourite] and retried == []
+    assert ejected == [favourite]
+    await replicas.close()
+
+
+async def test_a_content_check_that_cannot_run_says_nothing_of_the_replica():
+    replicas, inner, receiver, retried, ejected = make({}, failures_to_eject=1)
+    favourite = replicas.chooser.choose(*_key_and_candidates(replicas, job()))
+    j, _ = with_content_check(replicas, job(), {favourite: ServiceError(
+        grpc.StatusCode.INTERNAL, "CONTENT_CHECK_FAILED", "decode could not check")})
+    with pytest.raises(ServiceError) as caught:
+        await receiver.receive(j, TransferRecord("r1", "inline"))
+    assert caught.value.reason == "CONTENT_CHECK_FAILED" and retried == [] and ejected == []
+    assert replicas.replicas[favourite].breaker.failures == 0
+    await replicas.close()
