@@ -15,10 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from common.model.config import ModelConfig
+from common.model.cpu_weights import column_major, lm_head_for
 from common.model.protocol import DecodeBatch, PrefillBatch
 from common.ops.interface import KernelOps
 
 __all__ = ["DecodeBatch", "LlamaModel", "PrefillBatch"]
+
+
+def _is_projection(name: str) -> bool:
+    """The 2-D weights of `_linear`: q/k/v/o and gate/up/down."""
+    return name.endswith("_proj.weight")
 
 
 class LlamaModel:
@@ -33,8 +39,12 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         self.w = {name: t.to(device=device, dtype=dtype) for name, t in weights.items()}
-        if "lm_head.weight" not in self.w:
-            self.w["lm_head.weight"] = self.w["model.embed_tokens.weight"]
+        if device.type == "cpu":  # storage order only (common/model/cpu_weights.py)
+            for name in [n for n in self.w if _is_projection(n)]:
+                self.w[name] = column_major(self.w[name])
+        tied = "lm_head.weight" not in self.w  # then the embedding table is the head
+        head = self.w["model.embed_tokens.weight"] if tied else self.w.pop("lm_head.weight")
+        self._lm_head = lm_head_for(head, tied)  # [T, H] -> [T, vocab]
         self.scale = config.head_dim ** -0.5
         self.cos_sin = config.rope.table(config.max_position_embeddings, config.head_dim,
                                          device)  # [P, D]
@@ -84,7 +94,7 @@ class LlamaModel:
 
     def _logits(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h, _ = self.ops.rmsnorm(x, self.w["model.norm.weight"], self.config.rms_norm_eps, residual)
-        return F.linear(h, self.w["lm_head.weight"]).float()
+        return self._lm_head(h).float()
 
     @torch.inference_mode()
     def prefill(
