@@ -40,7 +40,7 @@ import torch
 from bench.cpu_clock import CpuMeter
 from bench.synthetic_prefill import PAGE_SIZE, SyntheticSpec, serve_in_process
 from bench.transfer_bare import BareGrpc, shm_receive, socket_receive
-from bench.transfer_services import DecodeSide
+from bench.transfer_services import TWO_PASS, DecodeSide
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout
 from common.handoff.planes import SHARED_MEMORY
 from common.malloc_tuning import keep_freed_heap
@@ -94,7 +94,7 @@ def default_repeats(size: int) -> int:
 
 
 async def measure(layout: KvLayout, sizes: list[int], repeats: int, ports: dict,
-                  max_chunk_bytes: int, progress) -> list[dict]:
+                  max_chunk_bytes: int, progress, shm_two_pass: bool = False) -> list[dict]:
     per_token = layout.kv_bytes_per_token
     meter = CpuMeter(ports["pid"])
     side = DecodeSide(layout, max(-(-s // per_token) for s in sizes),
@@ -111,6 +111,9 @@ async def measure(layout: KvLayout, sizes: list[int], repeats: int, ports: dict,
             nbytes = tokens * per_token
             buffer = bytearray(nbytes)
             transports = _builtin(side, sock, shm_sock, bare_grpc, tokens, buffer)
+            if shm_two_pass:
+                transports.insert(2, Transport("shared-memory-2pass", "bare-shared-memory",
+                                               lambda n, t=tokens: side.handoff(t, TWO_PASS)))
             reps = repeats or default_repeats(nbytes)
             times: dict[str, list[float]] = {t.name: [] for t in transports}
             cpu: dict[str, list[tuple[float, float]]] = {t.name: [] for t in transports}
@@ -203,6 +206,10 @@ def main(argv: list[str]) -> int:
                    help="torch threads in each of the two processes (0: torch's default)")
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="keep glibc's malloc defaults (common/malloc_tuning.py) in both processes")
+    p.add_argument("--shm-two-pass", action="store_true",
+                   help="add a shared-memory row with the CRC and finiteness as two passes "
+                   "(before decode_svc.payload_pass), side by side with the one pass")
+    p.add_argument("--no-nixl", action="store_true", help="skip the NIXL plane's rows")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.torch_threads > 0:
@@ -230,9 +237,11 @@ def main(argv: list[str]) -> int:
             print(f"\r[transfer] {text}   ", end="", file=sys.stderr, flush=True)
 
         results = run_async(lambda: measure(layout, sizes, args.repeats, ports,
-                                            args.max_chunk_bytes, progress))
-        from bench.transfer_nixl import add_nixl_rows  # the NIXL plane's rows, its own process
-        add_nixl_rows(layout, sizes, args.repeats, results, args.torch_threads, progress)
+                                            args.max_chunk_bytes, progress,
+                                            args.shm_two_pass))
+        if not args.no_nixl:
+            from bench.transfer_nixl import add_nixl_rows  # the NIXL plane's rows, own process
+            add_nixl_rows(layout, sizes, args.repeats, results, args.torch_threads, progress)
         print(file=sys.stderr)
     finally:
         parent.send("stop")

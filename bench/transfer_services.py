@@ -29,6 +29,8 @@ from decode_svc.kv_receiver import HandoffJob
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.shm_receiver import SharedMemoryReceiver
 
+TWO_PASS = "shared-memory-2pass"  # the shared-memory receiver with its checks as two passes
+
 
 class DecodeSide:
     """Reservation, the real receive path of each plane, the engine's writes."""
@@ -47,7 +49,9 @@ class DecodeSide:
         self.client = PrefillClient(address, max_chunk_bytes, None)
         self.receivers = {"inline": InlineReceiver(self.client, self.engine),
                           SHARED_MEMORY: SharedMemoryReceiver(self.client, self.engine,
-                                                              DEFAULT_SHM_DIR)}
+                                                              DEFAULT_SHM_DIR),
+                          TWO_PASS: SharedMemoryReceiver(self.client, self.engine,
+                                                         DEFAULT_SHM_DIR, one_pass=False)}
 
     async def _reserve(self, request_id: str, num_tokens: int) -> None:
         loop = asyncio.get_running_loop()

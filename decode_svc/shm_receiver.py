@@ -2,7 +2,8 @@
 on this host; decode copies the bytes into its own memory FIRST, then the verifier checks the
 frame (sizes, both 1.1 checksums) over that copy, exactly as inline. With a CPU pool the copy is
 one preadv straight into the request's own pages (decode_svc.page_landing: no staging buffer, no
-engine write after it), and the finiteness check runs there too; otherwise the bytes land in a
+engine write after it), followed at once by one block-interleaved pass for the CRC-32C the
+verifier compares and the finiteness check (decode_svc.payload_pass); otherwise the bytes land in a
 buffer of decode's own and go to the engine's write path.
 
 Invariants (besides KvReceiver's): bytes are read only from regions named "kvh-<32 hex>" in
@@ -31,6 +32,7 @@ from decode_svc.handoff import write_chunk
 from decode_svc.kv_receiver import HandoffJob, LandedKv
 from decode_svc.oob_receiver import OutOfBandReceiver
 from decode_svc.page_landing import PageLanding
+from decode_svc.payload_pass import check_payload, checksummed
 from decode_svc.prefill_client import PrefillClient
 
 MAX_REGIONS_PER_HANDOFF = 4
@@ -40,12 +42,14 @@ class _Landing:
     """One handoff's open regions and the copy-out of each referenced chunk."""
 
     def __init__(self, directory: str, expect: Expectation, engine: DecodeEngine,
-                 pages: PageLanding) -> None:
+                 pages: PageLanding, one_pass: bool = True) -> None:
         self.directory = directory
         self.expect = expect
         self.engine = engine
         self.pages = pages
+        self.one_pass = one_pass
         self.readers: dict[str, RegionReader] = {}
+        self._finite: dict[tuple[int, int], bool] = {}  # (layer, token_start) -> all finite
 
     def resolve(self, frame):
         chunk = reference_to_fetch(frame, self.expect, "shared-memory")
@@ -64,6 +68,10 @@ class _Landing:
                 k, v = pieces.k, pieces.v
                 reader.scatter_into(ref.k_offset, k.pieces)
                 reader.scatter_into(ref.v_offset, v.pieces)
+                if self.one_pass:
+                    check = check_payload(k, v, expect.layout.dtype)
+                    k, v = checksummed(k, v, check)
+                    self._finite[(chunk.layer, chunk.token_start)] = check.finite
             else:
                 flat = np.empty((2, ref.length), dtype=np.uint8)  # [2, length] decode's own
                 reader.read_into(ref.k_offset, flat[0])
@@ -80,10 +88,14 @@ class _Landing:
             chunk_crc32c=chunk.chunk_crc32c))
 
     def deliver(self, chunk: VerifiedChunk) -> None:
-        """A verified chunk: already in the pages (tell the engine, with its finiteness), or in
-        decode's own buffer (the engine's write path)."""
+        """A verified chunk: already in the pages (tell the engine, with what is left of the
+        finiteness check: nothing when the one pass found every value finite; all its pieces
+        otherwise, so the engine's own check refuses it exactly as before), or in decode's own
+        buffer (the engine's write path)."""
         if isinstance(chunk.k, ScatteredBytes):
-            self.engine.landed(self.expect.request_id, chunk.k.pieces + chunk.v.pieces)
+            finite = self._finite.pop((chunk.layer, chunk.token_start), False)
+            unchecked = () if finite else chunk.k.pieces + chunk.v.pieces
+            self.engine.landed(self.expect.request_id, unchecked)
         else:
             write_chunk(self.engine, self.expect.request_id, chunk)
 
@@ -111,16 +123,22 @@ class _Landing:
 
 
 class SharedMemoryReceiver(OutOfBandReceiver):
+    """one_pass: the CRC-32C and the finiteness check of a chunk landed in the pages run in one
+    block-interleaved pass right after its preadv (decode_svc.payload_pass); False: the
+    verifier's CRC pass, then the engine's finiteness pass (kept for the side-by-side bench)."""
+
     plane = SHARED_MEMORY
 
-    def __init__(self, client: PrefillClient, engine: DecodeEngine, directory: str) -> None:
+    def __init__(self, client: PrefillClient, engine: DecodeEngine, directory: str,
+                 one_pass: bool = True) -> None:
         super().__init__(client, engine)
         self.directory = directory
         self.host_id = host_identity(directory)
         self.pages = PageLanding(engine.pool)
+        self.one_pass = one_pass
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
         request = self._request(job)
         request.data_plane_host_id = self.host_id
-        landing = _Landing(self.directory, job.expect, self.engine, self.pages)
+        landing = _Landing(self.directory, job.expect, self.engine, self.pages, self.one_pass)
         return await self._receive_through(landing, request, job, record, landing.deliver)
