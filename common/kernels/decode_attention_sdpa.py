@@ -17,15 +17,16 @@ import torch
 import torch.nn.functional as F
 
 
+def is_run(row: list[int], num_pages: int) -> bool:
+    """Whether the first num_pages entries of a page-table row are p, p + 1, ... ."""
+    return row[:num_pages] == list(range(row[0], row[0] + num_pages))
+
+
 def contiguous_rows(page_table: torch.Tensor, num_pages: torch.Tensor) -> list[bool]:
     """page_table: [B, W] int32; num_pages: [B] pages in use -> per row, whether its first
     num_pages[b] entries are one ascending run (p, p + 1, ...)."""
-    if page_table.shape[1] < 2:
-        return [True] * page_table.shape[0]
-    steps = page_table[:, 1:] - page_table[:, :-1] == 1  # [B, W - 1]
-    in_use = torch.arange(1, page_table.shape[1], device=page_table.device)[None, :] < num_pages[
-        :, None]
-    return (steps | ~in_use).all(dim=1).tolist()
+    return [is_run(row, n) for row, n in zip(page_table.tolist(), num_pages.tolist(),
+                                             strict=True)]
 
 
 def decode_attention_sdpa(
@@ -50,15 +51,15 @@ def decode_attention_sdpa(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    num_pages = (seq_lens + page_size - 1) // page_size  # [B]
-    runs = contiguous_rows(page_table, num_pages)
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [P * S, Hkv, D]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)
     queries = q.reshape(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
-    for b, (n, pages, run) in enumerate(zip(seq_lens.tolist(), num_pages.tolist(), runs)):
-        assert 1 <= n and pages <= page_table.shape[1], (n, page_table.shape)
-        if run:
-            first = int(page_table[b, 0]) * page_size
+    # one host copy of the table and the lengths per call: no tensor op per row for the plan
+    for b, (n, row) in enumerate(zip(seq_lens.tolist(), page_table.tolist(), strict=True)):
+        pages = (n + page_size - 1) // page_size
+        assert 1 <= n and pages <= len(row), (n, page_table.shape)
+        if is_run(row, pages):  # one ascending run of pages: read through a view
+            first = row[0] * page_size
             keys, values = k_flat[first:first + n], v_flat[first:first + n]  # [n, Hkv, D]
         else:
             own = page_table[b, :pages].long()
