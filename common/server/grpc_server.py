@@ -23,6 +23,8 @@ from common.errors import ServiceError
 from common.server.ports import check_port_free, port_error
 from common.server.reflection import enable_reflection
 
+# After a drain with no work left: how long the server lets replies already written flush.
+STOP_FLUSH_S = 0.5
 # Methods that stay open while draining and do not count as in-flight work: health,
 # reflection and the read-only stats (so a drain can be watched).
 LIFECYCLE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.",
@@ -252,7 +254,9 @@ async def drain(server: grpc.aio.Server, state: ServingState, grace: float,
     if not drained:  # each call still running is told why it ends
         await state.end_calls("a second stop signal" if forced else
                               f"its {grace:g} s drain grace ran out")
-    await server.stop(0 if forced or not drained else max(0.0, grace - (loop.time() - started)))
+    # Drained: only lifecycle calls are left (a peer's health Watch never ends by itself), so
+    # waiting out the rest of the grace for them kept an idle server up for its whole grace.
+    await server.stop(0 if forced or not drained else STOP_FLUSH_S)
     return drained
 
 
