@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model.config import ModelConfig
-from common.model.cpu_weights import column_major, lm_head_for
+from common.model.cpu_weights import PACKED_ROWS, column_major, lm_head_for, packed_linear
 from common.model.protocol import DecodeBatch, PrefillBatch
 from common.ops.interface import KernelOps
 
@@ -42,6 +42,12 @@ class LlamaModel:
         if device.type == "cpu":  # storage order only (common/model/cpu_weights.py)
             for name in [n for n in self.w if _is_projection(n)]:
                 self.w[name] = column_major(self.w[name])
+        self._packed = {}  # name -> oneDNN linear for PACKED_ROWS rows (cpu_weights.py)
+        if ops.name == "cpu":
+            for name in [n for n in self.w if _is_projection(n)]:
+                linear = packed_linear(self.w[name], self.w.get(name[:-len("weight")] + "bias"))
+                if linear is not None:
+                    self._packed[name[:-len(".weight")]] = linear
         tied = "lm_head.weight" not in self.w  # then the embedding table is the head
         head = self.w["model.embed_tokens.weight"] if tied else self.w.pop("lm_head.weight")
         self._lm_head = lm_head_for(head, tied)  # [T, H] -> [T, vocab]
@@ -50,6 +56,10 @@ class LlamaModel:
                                          device)  # [P, D]
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        # x: [T, K] -> [T, N]
+        packed = self._packed.get(name)
+        if packed is not None and x.shape[0] in PACKED_ROWS:
+            return packed(x)
         return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
 
     def _qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
@@ -76,8 +86,10 @@ class LlamaModel:
         up = self._linear(x, f"{p}.up_proj")
         return self._linear(F.silu(gate) * up, f"{p}.down_proj")
 
-    def _layer(self, layer: int, x, residual,
-               attend: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layer(self, layer: int, x, residual, attend: Callable,
+               keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """keep: [B] rows of the T tokens whose output is wanted (None: all); the layer's
+        attention, and so its KV, still covers every token."""
         p = f"model.layers.{layer}"
         eps = self.config.rms_norm_eps
         if residual is None:  # first layer: the embeddings are the residual stream
@@ -87,6 +99,8 @@ class LlamaModel:
             h, residual = self.ops.rmsnorm(
                 x, self.w[f"{p}.input_layernorm.weight"], eps, residual)
         attn = attend(layer, h)  # [T, Hq * D]
+        if keep is not None:  # row-wise from here on: the other rows' outputs go unread
+            attn, residual = attn[keep], residual[keep]  # [B, Hq * D], [B, H]
         attn = self._linear(attn, f"{p}.self_attn.o_proj")
         h, residual = self.ops.rmsnorm(
             attn, self.w[f"{p}.post_attention_layernorm.weight"], eps, residual)
@@ -125,10 +139,14 @@ class LlamaModel:
 
         x = F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])  # [T, H]
         residual = None
+        last = batch.cu_seqlens[1:].long() - 1  # [B]: each sequence's last token
+        final = self.config.num_layers - 1
         for layer in range(self.config.num_layers):
-            x, residual = self._layer(layer, x, residual, attend)
-        last = batch.cu_seqlens[1:].long() - 1
-        return self._logits(x[last], residual[last])
+            # past the last layer's KV only the logits' rows are read: its o_proj and MLP
+            # run for those B rows, not all T
+            x, residual = self._layer(layer, x, residual, attend,
+                                      keep=last if layer == final else None)
+        return self._logits(x, residual)  # x, residual: [B, H]
 
     @torch.inference_mode()
     def layer0_kv(self, token_ids: torch.Tensor,
