@@ -1,16 +1,19 @@
 """How the decoder's projection weights are stored on a CPU device, for MKL and oneDNN.
 
-Invariants: the values are the checkpoint's, unchanged; only their storage order differs, and
-the model keeps one copy of each weight (never a row-major one beside a packed one). Measured
-on the bench checkpoint (hidden 512, one torch thread, weights cold in cache as in a step):
+Invariants: the values are the checkpoint's, unchanged; only their storage order differs.
+Measured on the bench checkpoint (hidden 512, one torch thread, weights cold in cache as in a
+step, thread CPU time):
 - column-major q/k/v/o and gate/up/down (F.linear then multiplies by a contiguous [K, N]
   matrix): one decode step 16.5 vs 17.7 ms at batch 1, 32.7 vs 33.9 ms at batch 8; prefill
   (>= 128 rows) gives bit-identical results at the same speed;
-- the untied lm_head [vocab, H] prepacked by oneDNN: 1.9 vs 3.2 ms at 8 rows, 1.15 vs 1.2 at 1.
-  (oneDNN-packed layer weights were faster at 8 rows, 27.7 vs 32.7 ms a step, but slower at 1,
-  20.8 vs 16.5: not kept, since one copy serves every batch size.)
+- the untied lm_head [vocab, H] prepacked by oneDNN (its only copy): 1.9 vs 3.2 ms at 8 rows,
+  1.15 vs 1.2 at 1;
+- with the cpu backend, a second copy of each layer weight prepacked by oneDNN, used for 2 to
+  127 rows (decode batches): all the layers' linears 12.4 vs 15.5 ms at 8 rows, 13.2 vs 15.8 at
+  2, but 9.8 vs 7.4 at 1 row (so one row keeps the column-major copy) and no faster from 128
+  (prefill keeps it, and its bits). This copy doubles the layer weights' memory:
+  `--kernels torch` does without it.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -38,3 +41,22 @@ def lm_head_for(weight: torch.Tensor, tied: bool) -> Callable[[torch.Tensor], to
         # h: [T, H] -> [T, V]
         return torch.ops.mkldnn._linear_pointwise(h.contiguous(), packed, None, "none", [], "")
     return lm_head
+
+
+PACKED_ROWS = range(2, 128)  # the row counts the oneDNN copy serves (see above)
+PACK_FOR_ROWS = 8  # the row count oneDNN tunes the packed layout for (a full 8-client batch)
+
+
+def packed_linear(weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """weight: [N, K] float32 on a CPU with oneDNN -> x: [M, K] -> [M, N] through a oneDNN
+    prepacked copy (the caller keeps its own for other row counts); else None."""
+    if (weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkldnn.is_available()):
+        return None
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_FOR_ROWS)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        # x: [M, K] -> [M, N]
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    return linear
