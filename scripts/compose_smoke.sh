@@ -8,13 +8,20 @@
 # 2. makes the base image locally when it is missing (scripts/base_image.sh: debootstrap),
 #    gathers wheels for its Python (scripts/gather_wheels.sh) and builds the image with
 #    `docker build --network none` (nothing fetched inside the build);
-# 3. `docker compose -f compose.yaml -f compose.cpu.yaml up -d` with the demo model, every port
-#    published on 127.0.0.1 only, and waits for both health checks;
+# 3. `docker compose -f compose.yaml -f compose.cpu.yaml up -d` with the demo model and
+#    SMOKE_PREFILLS x SMOKE_DECODES replicas (2 x 2; PREFILL_REPLICAS / DECODE_REPLICAS), every
+#    port published on 127.0.0.1 only (a free one each), and waits for every health check;
 # 4. checks: non-root user, /models read-only, no secret-looking variables in the image, the
-#    image's own HEALTHCHECK turns healthy in a plain `docker run --network none`, /metrics on
-#    loopback, a generation streamed from the host through decode's published port;
+#    image's own HEALTHCHECK turns healthy in a plain `docker run --network none`, /metrics of
+#    every replica on loopback, a generation streamed from the host through each decode's
+#    published port;
+# 4b. replicas and chaos (scripts/compose_chaos.py; SMOKE_CHAOS=0 skips): every decode streams
+#    and every prefill serves handoffs; 24 streams while one prefill is SIGKILLed (no request
+#    fails, every pool at baseline, no shared-memory region left); --scale prefill=1 then 2
+#    under load (decode logs the replica removed and added); one decode SIGKILLed mid-stream
+#    (its clients get UNAVAILABLE with a reason, the other decode's finish);
 # 5. `docker compose stop` (SIGTERM) while 4 generations stream: each must still finish with all
-#    its tokens, the stop must return within stop_grace_period, both containers exit 0 and
+#    its tokens, the stop must return within stop_grace_period, every container exits 0 and
 #    decode's log says it drained with the requests in flight;
 # 6. takes everything down: containers, network, volumes, the temporary model dir, the dockerd
 #    it started. The image, its build stage (tagged $SMOKE_IMAGE-build) and wheels/ stay as the
@@ -24,7 +31,8 @@
 # Traffic: host loopback <-> the containers' bridge only; the containers reach nothing else.
 # Environment: PYTHON (host Python with this package; default .venv/bin/python), COMPOSE
 # (compose command), SMOKE_PLANE (the data plane decode's handoffs must use: shared-memory;
-# with PREFILL_NIXL=true KVHANDOFF_DATA_PLANE=nixl, nixl), KVHANDOFF_BASE_IMAGE (kvhandoff-base:bookworm), SMOKE_IMAGE
+# with PREFILL_NIXL=true KVHANDOFF_DATA_PLANE=nixl, nixl), SMOKE_PREFILLS / SMOKE_DECODES (2 / 2),
+# SMOKE_CHAOS (1), KVHANDOFF_BASE_IMAGE (kvhandoff-base:bookworm), SMOKE_IMAGE
 # (kvhandoff:smoke), SMOKE_REPORT (write the summary JSON there), SMOKE_CLEAN, SMOKE_BUILD_ONLY=1
 # (stop after the build: the cheap part), SMOKE_MIN_FREE_GB (8: refuse to build with less free).
 set -euo pipefail
@@ -177,20 +185,14 @@ if [[ "${SMOKE_BUILD_ONLY:-}" == 1 ]]; then
 fi
 
 # 3. compose up ---------------------------------------------------------------------------
-read -r api_port prefill_metrics decode_metrics < <("$PYTHON" - <<'PY'
-import socket
-socks = [socket.socket() for _ in range(3)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))
-for s in socks:
-    s.close()
-PY
-)
 mkdir -p "$work/models"
+num_prefills=${SMOKE_PREFILLS:-2}
+num_decodes=${SMOKE_DECODES:-2}
+# "127.0.0.1:" + ":PORT": each replica gets a free host port on loopback (docker port says which)
 export KVHANDOFF_MODEL=demo MODEL_DIR="$work/models" KVHANDOFF_CPU_IMAGE="$image" \
-    DECODE_PUBLISH="127.0.0.1:$api_port" PREFILL_METRICS_PORT="$prefill_metrics" \
-    DECODE_METRICS_PORT="$decode_metrics" KVHANDOFF_API_TOKEN="" COMPOSE_PROJECT_NAME="$project"
+    DECODE_PUBLISH="127.0.0.1:" PREFILL_METRICS_PUBLISH="127.0.0.1:" \
+    DECODE_METRICS_PUBLISH="127.0.0.1:" PREFILL_REPLICAS="$num_prefills" \
+    DECODE_REPLICAS="$num_decodes" KVHANDOFF_API_TOKEN="" COMPOSE_PROJECT_NAME="$project"
 files=(-f compose.yaml -f compose.cpu.yaml)
 if (( ${engine%%.*} < 25 )); then
     files+=(-f deploy/docker/compose.engine-pre25.yaml)   # no healthcheck start_interval
@@ -207,9 +209,18 @@ compose_up=1
 say "${compose[*]} up -d"
 timeout 600 "${compose[@]}" up -d --no-build >"$work/up.log" 2>&1 \
     || { cat "$work/up.log" >&2; die "compose up failed"; }
-prefill_id=$("${compose[@]}" ps -q prefill)
-decode_id=$("${compose[@]}" ps -q decode)
-[[ -n "$prefill_id" && -n "$decode_id" ]] || die "compose did not create both containers"
+# every replica's container id, and each published port: `docker port` (host:port on loopback)
+find_replicas() {
+    mapfile -t prefill_ids < <("${compose[@]}" ps -q prefill)
+    mapfile -t decode_ids < <("${compose[@]}" ps -q decode)
+    (( ${#prefill_ids[@]} == num_prefills && ${#decode_ids[@]} == num_decodes )) \
+        || die "compose runs ${#prefill_ids[@]} prefills and ${#decode_ids[@]} decodes, \
+not $num_prefills and $num_decodes"
+}
+published() {  # container, container port
+    docker port "$1" "$2/tcp" | head -n1
+}
+find_replicas
 
 wait_healthy() {  # container, seconds
     local status
@@ -222,26 +233,24 @@ wait_healthy() {  # container, seconds
     done
     die "container $1 not healthy after $2 s (status $status)"
 }
-wait_healthy "$prefill_id" 300
-wait_healthy "$decode_id" 300
+for id in "${prefill_ids[@]}" "${decode_ids[@]}"; do wait_healthy "$id" 300; done
 timings[up_healthy]=$(since "$t")
-say "both services healthy ${timings[up_healthy]} s after up"
+say "$num_prefills prefills and $num_decodes decodes healthy ${timings[up_healthy]} s after up"
 
 # 4. checks --------------------------------------------------------------------------------
 checks=()
 # docker exec, not compose exec: compose 2.40 against engine 20.10 reports exit status 0 for
 # every exec command, failed or not.
-for service in prefill decode; do
-    id=$("${compose[@]}" ps -q "$service")
+for id in "${prefill_ids[@]}" "${decode_ids[@]}"; do
     uid=$(docker exec "$id" id -u)
-    [[ "$uid" == 10001 ]] || die "$service runs as uid $uid, not 10001"
+    [[ "$uid" == 10001 ]] || die "container $id runs as uid $uid, not 10001"
     if docker exec "$id" sh -c 'touch /models/.written' 2>/dev/null; then
-        die "$service can write to /models"
+        die "container $id can write to /models"
     fi
     rw=$(docker inspect -f '{{range .Mounts}}{{if eq .Destination "/models"}}{{.RW}}{{end}}{{end}}' "$id")
-    [[ "$rw" == false ]] || die "$service mounts /models with RW=$rw"
+    [[ "$rw" == false ]] || die "container $id mounts /models with RW=$rw"
 done
-checks+=("uid 10001 in both containers" "/models read-only in both (mount RW=false, write refused)")
+checks+=("uid 10001 in every container" "/models read-only in every container (mount RW=false, write refused)")
 
 if docker image inspect -f '{{range .Config.Env}}{{println .}}{{end}}' "$image" \
         | grep -iE '(token|secret|password|passwd|key)[^=]*=.+'; then
@@ -257,29 +266,68 @@ ports=$(docker ps --filter "label=com.docker.compose.project=$project" --format 
 if grep -v '127\.0\.0\.1:' <<<"$ports"; then die "a port is published beyond 127.0.0.1 (above)"; fi
 checks+=("every published port on 127.0.0.1 ($(echo $ports))")
 
-for port in "$prefill_metrics" "$decode_metrics"; do
+metrics=()
+for id in "${prefill_ids[@]}"; do metrics+=("$(published "$id" 9461)"); done
+for id in "${decode_ids[@]}"; do metrics+=("$(published "$id" 9451)"); done
+for address in "${metrics[@]}"; do
     "$PYTHON" -c "import sys, urllib.request as u
-body = u.urlopen(f'http://127.0.0.1:{sys.argv[1]}/metrics', timeout=10).read().decode()
-sys.exit(0 if 'kvhandoff_' in body else 'no kvhandoff_ metrics')" "$port" \
-        || die "no /metrics on 127.0.0.1:$port"
+body = u.urlopen(f'http://{sys.argv[1]}/metrics', timeout=10).read().decode()
+sys.exit(0 if 'kvhandoff_' in body else 'no kvhandoff_ metrics')" "$address" \
+        || die "no /metrics on $address"
 done
-checks+=("/metrics of both on loopback")
+checks+=("/metrics of every replica on loopback (${metrics[*]})")
 
 t=$(now)
-"$PYTHON" scripts/compose_smoke_client.py stream --target "127.0.0.1:$api_port" \
-    --max-tokens 64 | tee "$work/stream.json" >&2 || die "streaming a generation failed"
+apis=()
+for id in "${decode_ids[@]}"; do
+    api=$(published "$id" 50051)
+    "$PYTHON" scripts/compose_smoke_client.py stream --target "$api" --max-tokens 64 \
+        | tee -a "$work/stream.json" >&2 || die "streaming a generation via $api failed"
+    apis+=("$api")
+done
 timings[stream]=$(since "$t")
-checks+=("a 64-token generation streamed from the host via 127.0.0.1:$api_port")
-# the KV of that generation crossed between the containers over their shared tmpfs volume
+checks+=("a 64-token generation streamed from the host via each decode (${apis[*]})")
+# the KV of those generations crossed between the containers over their shared tmpfs volume
 plane=${SMOKE_PLANE:-shared-memory}
-"${compose[@]}" logs --no-color decode 2>/dev/null | grep '"handoff_verified"' \
-    | grep -q "\"plane\": \"$plane\"" || die "decode did not hand off over $plane"
-checks+=("decode handed off over ${plane//-/ } between the containers")
+for id in "${decode_ids[@]}"; do
+    docker logs "$id" 2>&1 | grep '"handoff_verified"' | grep -q "\"plane\": \"$plane\"" \
+        || die "decode $id did not hand off over $plane"
+done
+checks+=("every decode handed off over ${plane//-/ } between the containers")
 
 wait_healthy "$standalone" 180
 docker rm -f "$standalone" >/dev/null
 standalone=""
 checks+=("the image's own HEALTHCHECK: healthy in docker run --network none, without compose")
+
+# 4b. replicas and chaos ------------------------------------------------------------------
+if [[ "${SMOKE_CHAOS:-1}" != 0 ]]; then
+    (( num_prefills >= 2 && num_decodes >= 2 )) || die "the chaos checks need 2 x 2 replicas"
+    t=$(now)
+    "$PYTHON" scripts/compose_chaos.py --project "$project" --compose "${compose[*]}" \
+        | tee "$work/chaos.json" >&2 || die "the chaos checks failed (above)"
+    timings[chaos]=$(since "$t")
+    while IFS= read -r line; do checks+=("$line"); done < <("$PYTHON" - "$work/chaos.json" <<'PY'
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+phases = {l["phase"]: l for l in lines if "phase" in l}
+s, k, d, x = (phases[n] for n in ("serve", "prefill_kill", "dns", "decode_kill"))
+print(f"2x2: every decode streamed {s['streams_completed']}, every prefill served handoffs "
+      f"{s['prefill_handoffs']}")
+print(f"prefill SIGKILL during {k['requests']} streams: {k['failed']} failed, retried "
+      f"{k['retried']} ({k['retried_refusals']}), {k['victim']} {k['victim_back']}; "
+      f"pools at baseline, no region left: {k['pools']}")
+print(f"--scale prefill=1 then 2 under load: {d['requests']} requests, {d['failed']} failed, "
+      f"decode logged prefill_replica_removed/added after {d['seconds_to_log']} s")
+print(f"decode SIGKILL mid-stream: its {x['victim_requests']} clients printed "
+      f"{x['victim_clients_printed']}, the other decode's {x['others_completed']} finished; "
+      f"pools at baseline: {x['pools']}")
+PY
+    )
+    find_replicas  # the dns phase replaced a prefill; restarts may move published ports
+    apis=()
+    for id in "${decode_ids[@]}"; do apis+=("$(published "$id" 50051)"); done
+fi
 
 # 5. SIGTERM drains ------------------------------------------------------------------------
 grace=$("${compose[@]}" config --format json | "$PYTHON" -c '
@@ -288,22 +336,22 @@ g = json.load(sys.stdin)["services"]["decode"]["stop_grace_period"]
 units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
 print(sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", str(g))))')
 t=$(now)
-"$PYTHON" scripts/compose_smoke_client.py drain --target "127.0.0.1:$api_port" \
+"$PYTHON" scripts/compose_smoke_client.py drain --target "${apis[0]}" \
     --requests 4 --max-tokens "${SMOKE_DRAIN_TOKENS:-400}" --grace "$grace" \
     -- "${compose[@]}" stop | tee "$work/drain.json" >&2 || die "the drain check failed"
 timings[drain]=$(since "$t")
-for id in "$prefill_id" "$decode_id"; do
+for id in "${prefill_ids[@]}" "${decode_ids[@]}"; do
     state=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}} {{.State.OOMKilled}}' "$id")
     [[ "$state" == "exited 0 false" ]] || die "container $id ended '$state', not 'exited 0 false'"
 done
-decode_log=$(docker logs "$decode_id" 2>&1)
+decode_log=$(docker logs "${decode_ids[0]}" 2>&1)
 in_flight=$(grep '"event": "draining"' <<<"$decode_log" | tail -n1 \
     | "$PYTHON" -c 'import json, sys; print(json.loads(sys.stdin.read())["in_flight"])') \
     || die "decode logged no draining event"
 (( in_flight >= 4 )) || die "decode drained with $in_flight requests in flight, not the 4 sent"
 grep -q '"event": "drained"' <<<"$decode_log" || die "decode's drain did not complete (log)"
 if grep -q '"event": "drain_cut_short"' <<<"$decode_log"; then die "decode cut its drain short"; fi
-checks+=("compose stop during 4 streams: all finished (LENGTH, every token), decode drained with $in_flight in flight, stop in $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["stop_seconds"])' "$work/drain.json") s < ${grace} s, both exit 0")
+checks+=("compose stop during 4 streams: all finished (LENGTH, every token), decode drained with $in_flight in flight, stop in $(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["stop_seconds"])' "$work/drain.json") s < ${grace} s, all ${#prefill_ids[@]}+${#decode_ids[@]} containers exit 0")
 
 # 6. down (in cleanup), summary -------------------------------------------------------------
 t=$(now)
@@ -319,12 +367,13 @@ checks+=("down: no container or network of $project left")
 for c in "${checks[@]}"; do say "ok: $c"; done
 if [[ -n "${SMOKE_REPORT:-}" ]]; then
     "$PYTHON" - "$SMOKE_REPORT" "$image_size" "$engine" "$(since "$t_start")" \
-        "$(declare -p timings)" "${checks[@]}" <<'PY'
-import json, re, sys
-path, size, engine, total, timings, *checks = sys.argv[1:]
+        "$(declare -p timings)" "$work/chaos.json" "${checks[@]}" <<'PY'
+import json, os, re, sys
+path, size, engine, total, timings, chaos, *checks = sys.argv[1:]
 pairs = dict(re.findall(r'\[(\w+)\]="?([0-9.]+)"?', timings))
+phases = [json.loads(line) for line in open(chaos) if line.strip()] if os.path.exists(chaos) else []
 json.dump({"ok": True, "image_bytes": int(size), "engine": engine, "seconds": float(total),
-           "timings": {k: float(v) for k, v in pairs.items()}, "checks": checks},
-          open(path, "w"), indent=1)
+           "timings": {k: float(v) for k, v in pairs.items()}, "checks": checks,
+           "chaos": phases}, open(path, "w"), indent=1)
 PY
 fi

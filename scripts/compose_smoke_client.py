@@ -46,9 +46,11 @@ class Stream:
     first: threading.Event = field(default_factory=threading.Event, repr=False)
 
 
-def run_stream(target: str, max_tokens: int, out: Stream, timeout: float) -> None:
+def run_stream(target: str, max_tokens: int, out: Stream, timeout: float,
+               prompt: list[int] | None = None) -> None:
+    """One streaming generation into `out` (never raises: a gRPC error lands in out.error)."""
     request = generate_pb2.GenerateRequest(max_tokens=max_tokens, ignore_eos=True)
-    request.token_ids.ids.extend(PROMPT)
+    request.token_ids.ids.extend(prompt or PROMPT)
     try:
         with grpc.insecure_channel(target) as channel:
             stub = generate_pb2_grpc.GenerationServiceStub(channel)

@@ -72,10 +72,20 @@ def test_compose_smoke(tmp_path):
     assert proc.returncode == 0, stderr[-6000:]
     summary = json.loads(report.read_text())
     checks = "\n".join(summary["checks"])
-    for promise in ("uid 10001", "/models read-only", "127.0.0.1", "streamed from the host",
-                    "own HEALTHCHECK", "over shared memory", "decode drained with", "both exit 0",
-                    "down: no container"):
+    for promise in ("uid 10001", "/models read-only", "127.0.0.1", "via each decode",
+                    "own HEALTHCHECK", "over shared memory", "decode drained with",
+                    "containers exit 0", "down: no container", "every prefill served handoffs",
+                    "prefill SIGKILL during 24 streams: 0 failed", "no region left",
+                    "1 then 2 under load", "prefill_replica_removed/added",
+                    "decode SIGKILL mid-stream"):
         assert promise in checks, (promise, checks)
+    phases = {p["phase"]: p for p in summary["chaos"] if "phase" in p}
+    assert all(p["ok"] for p in phases.values()), phases
+    assert phases["prefill_kill"]["failed"] == 0 and phases["dns"]["failed"] == 0
+    assert sum(phases["prefill_kill"]["retried"].values()) >= 1
+    assert all(n >= 1 for n in phases["serve"]["prefill_handoffs"].values())
+    assert all(e.startswith("UNAVAILABLE: ")
+               for e in phases["decode_kill"]["victim_clients_printed"])
 
 
 def test_real_compose_resolves_the_cpu_variant_without_gpus():
@@ -91,6 +101,7 @@ def test_real_compose_resolves_the_cpu_variant_without_gpus():
     services = json.loads(result.stdout)["services"]
     assert set(services) == {"prefill", "decode"}
     for name, service in services.items():
+        assert service["deploy"]["replicas"] == 1, name
         reservations = service.get("deploy", {}).get("resources", {}).get("reservations", {})
         assert not reservations.get("devices"), (name, reservations)
         assert service["environment"]["KVHANDOFF_DEVICE"] == "cpu", name
@@ -128,6 +139,29 @@ def test_image_healthcheck_probes_the_entrypoint_ports():
         assert f"127.0.0.1:${{KVHANDOFF_PORT:-{port}}}" in healthcheck, port
     assert 'ENTRYPOINT ["kvhandoff-entrypoint"]' in dockerfile
     assert "USER 10001" in dockerfile
+
+
+def test_real_compose_scales_to_two_by_two_with_a_port_per_replica():
+    """PREFILL_REPLICAS / DECODE_REPLICAS reach the real compose model, and every published
+    port is a range (one host port per replica), on loopback except decode's API."""
+    binary = compose_binary()
+    if binary is None:
+        pytest.skip("no docker compose / docker-compose binary on this machine")
+    argv = [*binary, "-f", "compose.yaml", "-f", "compose.cpu.yaml", "config", "--format", "json"]
+    env = {**os.environ, "KVHANDOFF_MODEL": "demo", "PREFILL_REPLICAS": "2",
+           "DECODE_REPLICAS": "2"}
+    result = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env=env, check=False)
+    assert result.returncode == 0, result.stderr
+    services = json.loads(result.stdout)["services"]
+    published = {}
+    for name, service in services.items():
+        assert service["deploy"]["replicas"] == 2, name
+        for port in service["ports"]:
+            published[(name, port["target"])] = (port.get("host_ip", ""), port["published"])
+    assert published == {("prefill", 9461): ("127.0.0.1", "9461-9468"),
+                         ("decode", 9451): ("127.0.0.1", "9451-9458"),
+                         ("decode", 50051): ("", "50051-50058")}
 
 
 def _k8s_resources() -> list[Path]:
