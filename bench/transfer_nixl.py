@@ -93,7 +93,7 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, results, stats,
-                   default_repeats, prefill_pid):
+                   default_repeats, prefill_pid, two_pass=False):
     from bench.transfer_services import DecodeSide
 
     meter = CpuMeter(prefill_pid)
@@ -105,6 +105,10 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
                       f"127.0.0.1:{grpc_port}", DEFAULT_MAX_CHUNK_BYTES)
     side.start()
     receiver = NixlReceiver(side.client, side.engine, agent, read_timeout_s=60.0)
+    receivers = {"nixl": receiver}
+    if two_pass:  # the same pages, the verifier's CRC pass then the engine's finiteness pass
+        receivers["nixl-two-pass"] = NixlReceiver(side.client, side.engine, agent,
+                                                  read_timeout_s=60.0, one_pass=False)
     sock = socket.create_connection(("127.0.0.1", bare_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     own = np.empty(max(sizes) + layout.kv_bytes_per_token, dtype=np.uint8)  # decode's buffer
@@ -114,27 +118,30 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
         for result in results:
             nbytes, tokens = result["size_bytes"], result["tokens"]
             reps = repeats or default_repeats(nbytes)
-            times: dict[str, list[float]] = {"nixl": [], "bare-nixl": []}
-            cpu: dict[str, list[tuple[float, float]]] = {"nixl": [], "bare-nixl": []}
+            names = [*receivers, "bare-nixl"]
+            times: dict[str, list[float]] = {name: [] for name in names}
+            cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
             for rep in range(reps + 1):  # the first of each is a warm-up
+                for name, each in receivers.items():
+                    before = meter.cpu()
+                    seconds, got = await _handoff(side, each, layout, tokens)
+                    if got != nbytes:
+                        raise RuntimeError(f"{name} moved {got} bytes, expected {nbytes}")
+                    if rep:
+                        times[name].append(seconds)
+                        cpu[name].append(meter.since(before))
                 before = meter.cpu()
-                seconds, got = await _handoff(side, receiver, layout, tokens)
-                if got != nbytes:
-                    raise RuntimeError(f"nixl moved {got} bytes, expected {nbytes}")
-                used, before = meter.since(before), meter.cpu()
                 bare = await bare_read(agent, sock, nbytes, own, peers)
                 if rep:
-                    times["nixl"].append(seconds)
                     times["bare-nixl"].append(bare)
-                    cpu["nixl"].append(used)
                     cpu["bare-nixl"].append(meter.since(before))
                 progress(f"{nbytes >> 20} MiB over NIXL: {rep}/{reps}")
             rows = {name: stats(nbytes, t, cpu[name]) for name, t in times.items()}
             tcp = next((t["gbps_median"] for t in result["transports"]
                         if t["transport"] == "tcp"), float("nan"))
             bare_gbps = rows["bare-nixl"]["gbps_median"]
-            for name, base, base_gbps in (("nixl", "bare-nixl", bare_gbps),
-                                          ("bare-nixl", "tcp", tcp)):
+            for name, base, base_gbps in ([(n, "bare-nixl", bare_gbps) for n in receivers]
+                                          + [("bare-nixl", "tcp", tcp)]):
                 row = rows[name]
                 result["transports"].append({
                     "transport": name, "baseline": base, "ratio": row["gbps_median"] / base_gbps,
@@ -146,8 +153,9 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
 
 
 def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: list[dict],
-                  torch_threads: int, progress) -> None:
-    """Appends the "nixl" and "bare-nixl" rows to each size's transports (see the module)."""
+                  torch_threads: int, progress, two_pass: bool = False) -> None:
+    """Appends the "nixl" and "bare-nixl" rows to each size's transports (see the module);
+    two_pass: also "nixl-two-pass" (the checks in two passes, as before the one-pass check)."""
     from bench.transfer import _stats, default_repeats
     from common.server.grpc_server import run_async
 
@@ -170,7 +178,7 @@ def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: lis
             return
         why = run_async(lambda: _measure(layout, [r["size_bytes"] for r in results], repeats,
                                          *answer, progress, results, _stats, default_repeats,
-                                         helper.pid))
+                                         helper.pid, two_pass))
         if why:
             print(f"[transfer] no NIXL rows: {why}", file=sys.stderr)
     finally:
@@ -178,3 +186,36 @@ def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: lis
         helper.join(30)
         if helper.is_alive():
             helper.kill()
+
+
+def main(argv: list[str]) -> int:
+    """The NIXL rows alone: python -m bench.transfer_nixl --sizes 64MiB,1GiB [--two-pass]."""
+    import argparse
+
+    import torch
+
+    from bench.transfer import parse_size
+
+    p = argparse.ArgumentParser(prog="python -m bench.transfer_nixl",
+                                description="NIXL vs bare NIXL, the rows of bench transfer")
+    p.add_argument("--sizes", default="64MiB,1GiB", help="KV payload sizes, comma separated")
+    p.add_argument("--repeats", type=int, default=0, help="timed runs per size (0: by size)")
+    p.add_argument("--two-pass", action="store_true", help="add the nixl-two-pass row")
+    args = p.parse_args(argv)
+    layout = KvLayout(32, 8, 128, torch.bfloat16)  # bench transfer's default (8B-shaped)
+    results = [{"size_bytes": size, "tokens": size // layout.kv_bytes_per_token,
+                "transports": []} for size in map(parse_size, args.sizes.split(","))]
+    add_nixl_rows(layout, [r["size_bytes"] for r in results], args.repeats, results, 1,
+                  lambda _: None, args.two_pass)
+    print(f"{'size':>9} {'row':>14} {'GB/s median':>12} {'ratio':>6} {'vs':>10} "
+          f"{'CPU s/GB decode':>16} {'prefill':>8}")
+    for r in results:
+        for t in r["transports"]:
+            print(f"{r['size_bytes'] >> 20:>5} MiB {t['transport']:>14} {t['gbps_median']:>12.3f} "
+                  f"{t['ratio']:>6.2f} {t['baseline']:>10} {t['cpu_s_per_gb_decode']:>16.2f} "
+                  f"{t['cpu_s_per_gb_prefill']:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -5,9 +5,10 @@ checks sizes and both 1.1 checksums over what landed.
 Where it lands (said once in the log, `nixl_landing`): with a CPU pool, straight into the
 request's own pages (decode_svc.page_landing: one descriptor per run of contiguous page slots of
 the chunk's K, and of its V), registered with decode's OWN agent and never described to a peer
-(prefill never writes into decode: decode initiates every READ); the checksums and the
-finiteness check then run over the pages, as on the shared-memory plane, and no engine write
-follows. Elsewhere (a GPU pool) into a staging buffer of decode's own holding the whole handoff
+(prefill never writes into decode: decode initiates every READ); the CRC-32C and the
+finiteness check then run over the pages in one block-interleaved pass (decode_svc.payload_pass,
+as on the shared-memory plane), the verifier compares that CRC, and no engine write follows.
+Elsewhere (a GPU pool) into a staging buffer of decode's own holding the whole handoff
 (each chunk at its own offset), which the engine's queued writes read in place; it goes back to
 the pool only after those writes ran (an engine AfterWrites command).
 
@@ -53,6 +54,7 @@ from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
 from decode_svc.nixl_pool import PoolRegistration
 from decode_svc.nixl_quarantine import ReadQuarantine
 from decode_svc.oob_receiver import OutOfBandReceiver
+from decode_svc.payload_pass import check_payload, checksummed
 from decode_svc.prefill_client import PrefillClient
 
 MAX_BUFFERS_PER_HANDOFF = 4
@@ -105,6 +107,7 @@ class _Landing:
         self.staging: tuple[np.ndarray, Registration] | None = None
         self.cursor = 0  # where the next chunk lands in the staging buffer
         self.tainted = False
+        self._finite: dict[tuple[int, int], bool] = {}  # (layer, token_start) -> all finite
 
     async def resolve(self, frame):
         chunk = reference_to_fetch(frame, self.expect, "NIXL")
@@ -124,6 +127,10 @@ class _Landing:
             k, v = pieces.k, pieces.v  # ScatteredBytes: views of the pages
             local, remote = _descriptors(((k_at, k), (v_at, v)))
             await self._read(seq, lambda agent: agent.read_pieces(local, remote, peer), True)
+            if self.receiver.one_pass:  # CRC-32C and finiteness in one pass over the pages
+                check = check_payload(k, v, expect.layout.dtype)
+                k, v = checksummed(k, v, check)
+                self._finite[(chunk.layer, chunk.token_start)] = check.finite
         else:
             staging = self._own()
             if self.cursor + 2 * ref.length > staging.nbytes:
@@ -147,8 +154,11 @@ class _Landing:
     def deliver(self, chunk: VerifiedChunk) -> None:
         """A verified chunk: already in the pages (tell the engine, with its finiteness), or in
         the staging buffer (the engine's write path)."""
-        if isinstance(chunk.k, ScatteredBytes):
-            self.receiver.engine.landed(self.expect.request_id, chunk.k.pieces + chunk.v.pieces)
+        if isinstance(chunk.k, ScatteredBytes):  # nothing left to check if one pass found
+            # every value finite; else every piece, which the engine's own check refuses
+            finite = self._finite.pop((chunk.layer, chunk.token_start), False)
+            unchecked = () if finite else chunk.k.pieces + chunk.v.pieces
+            self.receiver.engine.landed(self.expect.request_id, unchecked)
         else:
             write_chunk(self.receiver.engine, self.expect.request_id, chunk)
 
@@ -256,8 +266,9 @@ class NixlReceiver(OutOfBandReceiver):
     def __init__(self, client: PrefillClient, engine: DecodeEngine, agent: NixlAgent,
                  counters: Counters | None = None,
                  read_timeout_s: float = DEFAULT_READ_TIMEOUT_S, into_pages: bool = True,
-                 log=None) -> None:
+                 log=None, one_pass: bool = True) -> None:
         super().__init__(client, engine)
+        self.one_pass = one_pass  # False: the verifier's CRC pass, then the engine's finiteness
         self.agent = agent
         self.read_timeout_s = read_timeout_s
         counters = counters if counters is not None else Counters()

@@ -359,3 +359,38 @@ def test_decode_unloads_a_peer_once_it_holds_many_buffer_sections(harness, recei
     _good(harness, receiver, peer, "two")
     assert len(removed) == 1 and receiver._sections == {} and receiver._users == {}
     _good(harness, receiver, peer, "three")  # reconnected from the next handoff's metadata
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_a_nan_read_into_the_pages_is_refused_at_verify_and_frees_them(harness, agent, peer,
+                                                                       one_pass):
+    """Prefill's buffer holds a NaN it checksummed (every frame passes): the READ lands it in the
+    pages, the finiteness check over them (the one pass, or the engine's own) finds it, and the
+    request is refused KV_NOT_FINITE with its pages back."""
+    receiver = NixlReceiver(None, None, agent, Counters(), READ_TIMEOUT_S, one_pass=one_pass)
+    baseline = harness.pages_free()
+    nonce = new_nonce()
+    first, kv, _ = harness.prefill(PROMPT)
+    kv[-1][1, -1, -1, -1] = float("nan")  # the last layer's V, last token
+    layout = _layout(harness)
+    frames = [frame_wire(header_frame("nan", len(PROMPT), handoff_pb2.HANDOFF_STATUS_OK, layout,
+                                      FINGERPRINT, nonce=nonce, digest=prompt_digest(PROMPT)))]
+    chunks = peer.ask("frames", "nan", nonce, [t.contiguous() for t in kv], CHUNK_TOKENS)
+    frames += chunks + [frame_wire(commit_frame("nan", len(PROMPT), len(chunks), first,
+                                                nonce=nonce))]
+    try:
+        landed, record = _run(harness, receiver, FakeClient(frames), "nan", nonce)
+        assert record.state == TransferState.SUCCESS, landed  # the form is good: it all landed
+        assert receiver.pool.pages is not None
+
+        async def verify():
+            return await engine_answer(lambda done: harness.engine.verify(
+                "nan", PROMPT, SamplingConfig(), done))
+
+        with pytest.raises(HandoffRefused) as refused:
+            asyncio.run(verify())
+        assert refused.value.reason == "KV_NOT_FINITE"
+        harness.engine.release("nan")
+        assert harness.pages_free() == baseline
+    finally:
+        asyncio.run(receiver.close())
