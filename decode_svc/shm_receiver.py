@@ -11,7 +11,8 @@ decode's own shared-memory directory that pass shm_region's owner and mode check
 is bounded (length = the layout's size for its token range, at most max_chunk_bytes for K plus
 V) before anything is read; a frame with both inline bytes and a reference is refused; every
 region opened is closed and unlinked, and ReleaseHandoff sent, however the handoff ends
-(decode_svc.oob_receiver).
+(decode_svc.oob_receiver); after a failed handoff, the region pools of dead prefills in the
+directory are removed too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 from common.handoff.codec import WireChunk, WireChunkFrame
 from common.handoff.planes import SHARED_MEMORY, host_identity
 from common.handoff.reasons import refuse
+from common.handoff.region_pool import sweep_dead_pools
 from common.handoff.scattered import ScatteredBytes
 from common.handoff.shm_region import RegionError, RegionReader
 from common.handoff.transfer import TransferRecord
@@ -141,4 +143,10 @@ class SharedMemoryReceiver(OutOfBandReceiver):
         request = self._request(job)
         request.data_plane_host_id = self.host_id
         landing = _Landing(self.directory, job.expect, self.engine, self.pages, self.one_pass)
-        return await self._receive_through(landing, request, job, record, landing.deliver)
+        try:
+            return await self._receive_through(landing, request, job, record, landing.deliver)
+        except BaseException:
+            # a prefill killed mid-transfer also leaves its region pool's directory: remove it
+            # once no live process holds its lock (common.handoff.region_pool)
+            sweep_dead_pools(self.directory)
+            raise

@@ -44,6 +44,7 @@ class OutOfBandSender(KvSender):
         self._cursor = 0
         self._lock = threading.Lock()  # pack and chunk (engine thread) vs release (event loop)
         self._released = False
+        self.peer_done = False  # released by the peer's ReleaseHandoff (it read all it will)
 
     @abc.abstractmethod
     def _open(self) -> np.ndarray | None:
@@ -125,9 +126,12 @@ class OutOfBandSender(KvSender):
             self._opened = True
         return self._dest
 
-    def release(self, committed: bool) -> None:
+    def release(self, committed: bool, peer_done: bool = False) -> None:
+        """peer_done: decode's ReleaseHandoff released it (so `_close` may keep what it can
+        reuse: the peer has closed it); otherwise the grace period, shutdown or a failure."""
         with self._lock:
             self._released = True
+            self.peer_done = peer_done
             if self._opened:
                 self._dest, self._opened = None, False
                 self._close()

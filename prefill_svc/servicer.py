@@ -91,7 +91,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
     def _sender(self, request: handoff_pb2.PrefillRequest) -> KvSender:
         if request.data_plane == TO_PROTO[SHARED_MEMORY]:
             sender = SharedMemorySender(request.request_id, self.layout, len(request.token_ids),
-                                        self.planes.shm_dir)
+                                        self.planes.shm_dir, self.leases.regions)
             self.leases.add(request.request_id, request.nonce, sender)
             return sender
         if request.data_plane == TO_PROTO[NIXL] and self.planes.nixl is not None:

@@ -1,12 +1,13 @@
 """The shared-memory plane on prefill: each chunk's K and V go into one region per handoff, and
 the chunk frame carries a reference (region, offsets, length) with the same 1.1 checksums.
 
-The region (common.handoff.shm_region) is created on the first chunk, sized for the whole
-handoff (2 x tokens x layers x bytes per token-layer), filled in the order chunks are packed
-(pwrite of each chunk packed into the sender's reused buffer: prefill_svc.oob_sender),
-and unlinked by `release`: decode's ReleaseHandoff, or the stream's end plus the grace period
-(prefill_svc.handoff_leases). The pool pages the KV was packed from are freed as on the inline
-plane; the region is what stays pinned.
+The region (common.handoff.shm_region) is opened on the first chunk, sized for the whole
+handoff (2 x tokens x layers x bytes per token-layer), its file taken from the leases' region
+pool when one is given (common.handoff.region_pool), filled in the order chunks are packed
+(pwritev of each chunk's views of the pages: prefill_svc.oob_sender), and its name unlinked by
+`release`: decode's ReleaseHandoff (the file then goes back to the pool), or the stream's end
+plus the grace period (prefill_svc.handoff_leases; the file is removed). The pool pages the KV
+was packed from are freed as on the inline plane; the region is what stays pinned.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from common.handoff.layout import KvLayout
 from common.handoff.planes import SHARED_MEMORY
+from common.handoff.region_pool import RegionPool
 from common.handoff.shm_region import RegionWriter
 from common.pb.kvhandoff.v1 import handoff_pb2
 from prefill_svc.oob_sender import OutOfBandSender
@@ -23,15 +25,16 @@ from prefill_svc.oob_sender import OutOfBandSender
 class SharedMemorySender(OutOfBandSender):
     plane = SHARED_MEMORY
 
-    def __init__(self, request_id: str, layout: KvLayout, num_tokens: int, directory: str
-                 ) -> None:
+    def __init__(self, request_id: str, layout: KvLayout, num_tokens: int, directory: str,
+                 regions: RegionPool | None = None) -> None:
         super().__init__(request_id, layout, num_tokens)
         self.directory = directory
+        self.regions = regions
         self._region: RegionWriter | None = None
         self.region_name = ""  # known once the first chunk created the region
 
     def _open(self) -> None:
-        self._region = RegionWriter(self.directory, self.size)
+        self._region = RegionWriter(self.directory, self.size, self.regions)
         self.region_name = self._region.name
         return None
 
@@ -44,4 +47,4 @@ class SharedMemorySender(OutOfBandSender):
                                        v_offset=v_offset, length=length)
 
     def _close(self) -> None:
-        self._region.close()
+        self._region.close(recycle=self.peer_done)

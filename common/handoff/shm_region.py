@@ -7,9 +7,12 @@ configured directory, only regular files owned by its own user with no group or 
 and reads them with pread into memory it owns (never a mapping: a region the peer truncates or
 rewrites cannot fault decode or change bytes after they were checked).
 
+A writer may take its file from a RegionPool (common.handoff.region_pool): a file of a finished
+handoff, with a fresh public name per handoff, mode 0600 like any region.
+
 Invariants: the writer's bytes at [offset, offset + n) are final once `write` returns; `close`
-unlinks the file and is idempotent; a reader never returns fewer bytes than asked (it raises
-RegionError instead).
+unlinks the public name (before a pooled file goes back) and is idempotent; a reader never
+returns fewer bytes than asked (it raises RegionError instead).
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ import re
 import secrets
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.handoff.scattered import ScatteredBytes
+
+if TYPE_CHECKING:
+    from common.handoff.region_pool import PooledFile, RegionPool
 
 IOV_MAX = 1024  # Linux's limit on the buffers of one preadv
 NAME = re.compile(r"kvh-[0-9a-f]{32}")
@@ -36,16 +43,27 @@ def new_region_name() -> str:
 
 
 class RegionWriter:
-    """Prefill's side: one region of `size` bytes, written at offsets, unlinked by close()."""
+    """Prefill's side: one region of `size` bytes, written at offsets, its name unlinked by
+    close(); with a pool, its file comes from the pool and goes back to it on close(recycle)."""
 
-    def __init__(self, directory: str, size: int) -> None:
+    def __init__(self, directory: str, size: int, pool: RegionPool | None = None) -> None:
+        self.directory = directory
+        self._pool = pool
+        self._pooled: PooledFile | None = None
         self.name = new_region_name()
         self.path = Path(directory) / self.name
-        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        self._fd = os.open(self.path, flags, MODE)
+        if pool is None:
+            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+            self._fd = os.open(self.path, flags, MODE)
+        else:
+            self._pooled = pool.take(directory, size)
+            self._fd = self._pooled.fd
         try:
             os.fchmod(self._fd, MODE)  # whatever the umask
-            os.ftruncate(self._fd, size)
+            os.ftruncate(self._fd, size)  # a pooled file: its tail beyond size is gone
+            if self._pooled is not None:
+                self._pooled.size = size
+                os.link(self._pooled.private, self.path)  # exclusive: never replaces a name
         except BaseException:
             self.close()
             raise
@@ -64,14 +82,19 @@ class RegionWriter:
             offset += n
             _advance(views, n)
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+    def close(self, recycle: bool = False) -> None:
+        """Unlinks the public name; the file is closed, or with a pool given back to it
+        (recycle: the peer that read it said it is done, so it may serve a later handoff)."""
         try:
-            os.unlink(self.path)
+            os.unlink(self.path)  # first: a recycled file is never reachable by this name
         except FileNotFoundError:
             pass
+        if self._fd >= 0:
+            if self._pooled is not None:
+                self._pool.give(self.directory, self._pooled, recycle)
+            else:
+                os.close(self._fd)
+            self._fd = -1
 
 
 class RegionReader:

@@ -1,0 +1,117 @@
+"""common.handoff.region_pool: a region file comes back for a later handoff only when the peer
+released it, under a fresh 0600 name of the region form, truncated to its new size (no byte
+past it survives); the pool stays within its bounds, removes everything on close, and sweeps
+the directory a dead prefill left."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.handoff.region_pool import (POOL_PREFIX, RegionPool, RegionPoolConfig,
+                                        sweep_dead_pools)
+from common.handoff.shm_region import NAME, RegionError, RegionReader, RegionWriter
+
+
+def _own(directory):
+    """The pool's own directory in directory (there is one while it holds files)."""
+    (own,) = [p for p in directory.iterdir() if p.name.startswith(POOL_PREFIX)]
+    return own
+
+
+def _files(own) -> list[str]:
+    """The region files in a pool's directory (besides its lock)."""
+    return sorted(set(os.listdir(own)) - {"lock"})
+
+
+def _inode(writer: RegionWriter) -> int:
+    return os.stat(writer.path).st_ino
+
+
+def test_a_released_region_is_reused_under_a_fresh_private_name(tmp_path):
+    pool = RegionPool()
+    first = RegionWriter(str(tmp_path), 8192, pool)
+    first.write(0, np.full(8192, 7, np.uint8))
+    inode, name = _inode(first), first.name
+    first.close(recycle=True)
+    assert not first.path.exists()
+    second = RegionWriter(str(tmp_path), 4096, pool)
+    assert _inode(second) == inode and pool.reused == 1
+    assert second.name != name and NAME.fullmatch(second.name)
+    st = os.stat(second.path)
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 4096
+    reader = RegionReader(str(tmp_path), second.name)  # decode's checks accept it
+    with pytest.raises(RegionError):  # the old handoff's tail is gone
+        reader.read_into(4000, np.empty(200, np.uint8))
+    reader.close()
+    second.close(recycle=True)
+    pool.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_region_not_released_by_its_peer_is_removed(tmp_path):
+    pool = RegionPool()
+    writer = RegionWriter(str(tmp_path), 4096, pool)
+    own = _own(tmp_path)
+    private = set(_files(own))
+    writer.close()  # grace period, shutdown or failure
+    assert _files(own) == [] and os.listdir(tmp_path) == [own.name]
+    other = RegionWriter(str(tmp_path), 4096, pool)
+    assert pool.reused == 0 and not private & set(_files(own))  # a new file
+    other.close()
+    assert _files(own) == []
+    pool.close()
+    assert not own.exists()
+
+
+def test_the_pool_keeps_no_more_than_its_bounds(tmp_path):
+    pool = RegionPool(RegionPoolConfig(max_idle=2, max_idle_bytes=10_000))
+    writers = [RegionWriter(str(tmp_path), 4096, pool) for _ in range(4)]
+    for w in writers:
+        w.close(recycle=True)
+    own = _own(tmp_path)
+    assert len(_files(own)) == 2  # the third and fourth were removed, not kept
+    pool.close()
+
+
+def test_a_dead_prefills_pool_directory_is_swept_and_a_live_ones_kept(tmp_path):
+    child = subprocess.run([sys.executable, "-c", (
+        "import sys; from common.handoff.region_pool import RegionPool; "
+        "from common.handoff.shm_region import RegionWriter; "
+        "RegionWriter(sys.argv[1], 4096, RegionPool())")  # exits holding it: as if killed
+        , str(tmp_path)], check=True, capture_output=True, cwd=Path(__file__).parents[2])
+    assert child.returncode == 0
+    dead = [p for p in tmp_path.iterdir() if p.name.startswith(POOL_PREFIX)]
+    assert len(dead) == 1 and len(os.listdir(dead[0])) == 2  # its lock and its file
+    live = RegionPool()
+    writer = RegionWriter(str(tmp_path), 16, live)  # first use: sweeps the dead one
+    assert not dead[0].exists()
+    assert sweep_dead_pools(str(tmp_path)) == 0  # the live pool's lock is held: kept
+    writer.close(recycle=True)
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith(POOL_PREFIX)]) == 1
+    live.close()
+    (left,) = os.listdir(tmp_path)  # the dead one's public region: decode unlinks it (D-65)
+    assert NAME.fullmatch(left)
+
+
+def test_idle_files_and_the_pool_directory_go_when_the_traffic_stops(tmp_path):
+    pool = RegionPool(RegionPoolConfig(max_idle_s=0.0))
+    held = RegionWriter(str(tmp_path), 4096, pool)
+    RegionWriter(str(tmp_path), 4096, pool).close(recycle=True)
+    pool.prune()  # one file still out: the directory stays, the idle one goes
+    own = _own(tmp_path)
+    assert len(_files(own)) == 1
+    held.close(recycle=True)
+    pool.prune()
+    assert os.listdir(tmp_path) == []
+    again = RegionWriter(str(tmp_path), 4096, pool)  # the directory is made again
+    assert again.path.exists()
+    again.close()
+    pool.close()
+    assert os.listdir(tmp_path) == []
