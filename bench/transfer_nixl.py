@@ -1,12 +1,16 @@
 """The NIXL rows of `kvhandoff bench transfer`: the services' handoff over the NIXL plane
-(decode READs each chunk from prefill's agent into its own staging buffer, verifies, writes its
-pool) and bare NIXL (the same bytes, decode-side READs in 4 MiB pieces, crc32c checked on
-decode's copy), interleaved per repeat, after the other transports of the same run.
+(decode READs each chunk from prefill's agent straight into its pages, checks CRC-32C and
+finiteness in one pass, verifies) and bare NIXL (the same bytes, decode-side READs in 4 MiB
+pieces, crc32c checked on decode's copy), interleaved per repeat, after the other transports of
+the same run. `python -m bench.transfer_nixl` runs these rows alone, and can add, interleaved
+in the same repeats, "nixl-two-pass" (the verifier's CRC pass, then the engine's finiteness
+pass) and "nixl-staging" (READs into a staging buffer, then the engine's writes: the GPU pool's
+path, and every pool's before issue 24).
 
 Rows: "nixl" (ratio against "bare-nixl") and "bare-nixl" (ratio against raw TCP of the same
-run). UCX is confined to loopback (UCX_NET_DEVICES=lo, UCX_TLS=sm,tcp,self) unless the caller's
-environment sets those variables. Where NIXL does not start, no row is added and the reason is
-printed.
+run; nan when run alone). UCX is confined to loopback (UCX_NET_DEVICES=lo, UCX_TLS=sm,tcp,self)
+unless the caller's environment sets those variables. Where NIXL does not start, no row is
+added and the reason is printed.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, results, stats,
-                   default_repeats, prefill_pid, two_pass=False):
+                   default_repeats, prefill_pid, two_pass=False, staging=False):
     from bench.transfer_services import DecodeSide
 
     meter = CpuMeter(prefill_pid)
@@ -109,6 +113,9 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
     if two_pass:  # the same pages, the verifier's CRC pass then the engine's finiteness pass
         receivers["nixl-two-pass"] = NixlReceiver(side.client, side.engine, agent,
                                                   read_timeout_s=60.0, one_pass=False)
+    if staging:  # the path before READs landed in the pages (a GPU pool's path)
+        receivers["nixl-staging"] = NixlReceiver(side.client, side.engine, agent,
+                                                 read_timeout_s=60.0, into_pages=False)
     sock = socket.create_connection(("127.0.0.1", bare_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     own = np.empty(max(sizes) + layout.kv_bytes_per_token, dtype=np.uint8)  # decode's buffer
@@ -153,9 +160,11 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
 
 
 def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: list[dict],
-                  torch_threads: int, progress, two_pass: bool = False) -> None:
+                  torch_threads: int, progress, two_pass: bool = False,
+                  staging: bool = False) -> None:
     """Appends the "nixl" and "bare-nixl" rows to each size's transports (see the module);
-    two_pass: also "nixl-two-pass" (the checks in two passes, as before the one-pass check)."""
+    two_pass: also "nixl-two-pass" (the checks in two passes, as before the one-pass check);
+    staging: also "nixl-staging" (READs into a staging buffer, then the engine's writes)."""
     from bench.transfer import _stats, default_repeats
     from common.server.grpc_server import run_async
 
@@ -178,7 +187,7 @@ def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: lis
             return
         why = run_async(lambda: _measure(layout, [r["size_bytes"] for r in results], repeats,
                                          *answer, progress, results, _stats, default_repeats,
-                                         helper.pid, two_pass))
+                                         helper.pid, two_pass, staging))
         if why:
             print(f"[transfer] no NIXL rows: {why}", file=sys.stderr)
     finally:
@@ -189,7 +198,8 @@ def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: lis
 
 
 def main(argv: list[str]) -> int:
-    """The NIXL rows alone: python -m bench.transfer_nixl --sizes 64MiB,1GiB [--two-pass]."""
+    """The NIXL rows alone, interleaved per repeat: python -m bench.transfer_nixl
+    --sizes 64MiB,1GiB [--two-pass] [--staging]."""
     import argparse
 
     import torch
@@ -201,12 +211,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sizes", default="64MiB,1GiB", help="KV payload sizes, comma separated")
     p.add_argument("--repeats", type=int, default=0, help="timed runs per size (0: by size)")
     p.add_argument("--two-pass", action="store_true", help="add the nixl-two-pass row")
+    p.add_argument("--staging", action="store_true", help="add the nixl-staging row")
     args = p.parse_args(argv)
     layout = KvLayout(32, 8, 128, torch.bfloat16)  # bench transfer's default (8B-shaped)
     results = [{"size_bytes": size, "tokens": size // layout.kv_bytes_per_token,
                 "transports": []} for size in map(parse_size, args.sizes.split(","))]
     add_nixl_rows(layout, [r["size_bytes"] for r in results], args.repeats, results, 1,
-                  lambda _: None, args.two_pass)
+                  lambda _: None, args.two_pass, args.staging)
     print(f"{'size':>9} {'row':>14} {'GB/s median':>12} {'ratio':>6} {'vs':>10} "
           f"{'CPU s/GB decode':>16} {'prefill':>8}")
     for r in results:
