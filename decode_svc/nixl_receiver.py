@@ -303,7 +303,7 @@ class NixlReceiver(OutOfBandReceiver):
         self.pool.register(self.engine.pool)
         if self.pool.pages is not None and not self.engine.pool.allocator.holds(
                 job.expect.request_id):  # a quarantine found no fresh pages for it
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV_POOL_EXHAUSTED",
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "KV_PAGES_QUARANTINED",
                                "decode's KV pages for this request are quarantined behind a "
                                "NIXL READ that did not finish and no others are free; retry")
         landing = _Landing(self, job.expect, time.monotonic() + handoff_budget(job.timeout_s))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from common.counters import Counters
+from common.errors import ServiceError
 from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.codec import commit_frame, frame_wire, header_frame
 from common.handoff.reasons import HandoffRefused
@@ -394,3 +395,43 @@ def test_a_nan_read_into_the_pages_is_refused_at_verify_and_frees_them(harness, 
         assert harness.pages_free() == baseline
     finally:
         asyncio.run(receiver.close())
+
+
+def test_a_quarantine_that_finds_no_free_pages_refuses_the_retry_until_pages_return(
+        harness, receiver, peer):
+    """Every other page is taken: the stalled READ's pages are quarantined and the request is
+    left without pages, so its retry is refused RESOURCE_EXHAUSTED (nothing READ); once the READ
+    ends the pool is at baseline."""
+    baseline = harness.pages_free()
+    free = baseline[0] - 3  # PROMPT's reservation takes 3 pages of 16 slots
+    asyncio.run(engine_answer(lambda done: harness.engine.reserve("filler", free * 16, done)))
+    nonce = new_nonce()
+    frames, _ = _handoff(harness, peer, "cornered", nonce)
+    peer.ask("stall")
+    resumed = False
+    try:
+        err, _ = _run(harness, receiver, FakeClient(frames), "cornered", nonce)
+        assert isinstance(err, HandoffRefused) and err.reason == "TRANSFER_TIMEOUT", err
+        assert not harness.pool.allocator.holds("cornered")
+        counters = receiver.quarantine.counters
+        assert counters.get("nixl_quarantine_left_request_without_pages") == 1
+        expect = Expectation("cornered", len(PROMPT), _layout(harness), FINGERPRINT, 4 << 20,
+                             harness.model.config.vocab_size, nonce, prompt_digest(PROMPT))
+        retry = handoff_pb2.PrefillRequest(request_id="cornered", token_ids=PROMPT, nonce=nonce)
+        client = FakeClient(frames)
+        receiver.client = client
+        with pytest.raises(ServiceError) as refused:
+            asyncio.run(receiver.receive(HandoffJob(retry, expect, SamplingConfig(), 30.0),
+                                         TransferRecord("cornered", "nixl")))
+        assert (refused.value.code, refused.value.reason) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "KV_PAGES_QUARANTINED")
+        assert client.requests == []  # nothing asked of prefill, nothing READ
+        peer.ask("resume")
+        resumed = True
+        _quarantine_over(receiver)
+    finally:
+        if not resumed:
+            peer.ask("resume")
+    harness.engine.release("cornered")
+    harness.engine.release("filler")
+    assert harness.pages_free() == baseline
