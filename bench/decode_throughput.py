@@ -6,7 +6,9 @@ For each batch size B: B prompts are prefilled (the local-prefill engine, into t
 all join the running batch at once and decode --new-tokens each; tokens/s counts the tokens of
 decode steps (the first token of each comes from its prefill) over the time from joining to the
 last one finishing. The model, pool and engine are the services' own (`build_runtime`,
-`DecodeEngine` stepping), only without gRPC.
+`DecodeEngine` stepping), only without gRPC. "CPU ms/step" is this process's CPU time over the
+same span per step: on a shared, busy host wall time mostly measures the neighbours, CPU time
+(with --torch-threads 1) the work itself.
 """
 
 from __future__ import annotations
@@ -56,8 +58,8 @@ def _answer(call) -> object:
 
 
 def run_batch(engine: LocalPrefillEngine, batch: int, prompt_len: int, new_tokens: int,
-              tag: str) -> float:
-    """-> seconds from the batch joining to its last sequence finishing."""
+              tag: str) -> tuple[float, float]:
+    """-> (wall, process CPU) seconds from the batch joining to its last sequence finishing."""
     greedy = SamplingConfig()
     finish = _Finish(batch)
     sequences = []
@@ -70,17 +72,17 @@ def run_batch(engine: LocalPrefillEngine, batch: int, prompt_len: int, new_token
         first = _answer(lambda done, r=rid, ids=ids: engine.prefill(r, ids, greedy, done))
         sequences.append(Sequence(rid, prompt_len, ids + [first], new_tokens, greedy,
                                   frozenset(), finish.emit))
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     for seq in sequences:
         engine.begin(seq)
     if not finish.done.wait(timeout=3600):
         raise RuntimeError("the batch did not finish")
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     for seq in sequences:
         engine.release(seq.request_id)
     if finish.errors:
         raise RuntimeError(f"decode failed: {finish.errors[0]}")
-    return elapsed
+    return elapsed, cpu
 
 
 def main(argv: list[str]) -> int:
@@ -112,21 +114,24 @@ def main(argv: list[str]) -> int:
     try:
         run_batch(engine, 1, args.prompt_len, 4, "warmup")
         for batch in batches:
-            seconds = run_batch(engine, batch, args.prompt_len, args.new_tokens, f"b{batch}")
+            seconds, cpu = run_batch(engine, batch, args.prompt_len, args.new_tokens,
+                                     f"b{batch}")
             steps = args.new_tokens - 1
             rows.append({"batch": batch, "seconds": seconds, "tokens": batch * steps,
                          "tokens_per_s": batch * steps / seconds,
-                         "ms_per_step": seconds / steps * 1e3})
+                         "ms_per_step": seconds / steps * 1e3,
+                         "cpu_ms_per_step": cpu / steps * 1e3})
     finally:
         engine.stop()
     base = rows[0]["tokens_per_s"]
     print(f"model {args.model} on {runtime.model.device} ({runtime.kernels} kernels, "
           f"{torch.get_num_threads()} torch threads); prompt {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens per sequence")
-    print(f"{'batch':>6} {'tokens/s':>10} {'ms/step':>9} {'vs batch ' + str(rows[0]['batch']):>11}")
+    print(f"{'batch':>6} {'tokens/s':>10} {'ms/step':>9} {'CPU ms/step':>12} "
+          f"{'vs batch ' + str(rows[0]['batch']):>11}")
     for r in rows:
         print(f"{r['batch']:>6} {r['tokens_per_s']:>10.1f} {r['ms_per_step']:>9.2f} "
-              f"{r['tokens_per_s'] / base:>10.2f}x")
+              f"{r['cpu_ms_per_step']:>12.2f} {r['tokens_per_s'] / base:>10.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "decode_throughput", "model": args.model,
                                          "prompt_len": args.prompt_len,
