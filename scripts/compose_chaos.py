@@ -14,7 +14,8 @@ Phases, each printed as one JSON line with its figures, then a summary line:
   volume (the killed replica's leases are gone: decode unlinked what it opened);
 - dns: under load, `--scale prefill=1` then back to 2: each decode logs
   prefill_replica_removed, then prefill_replica_added, and no request fails;
-- decode_kill: streams on both decodes, one decode SIGKILLed mid-stream: its clients get
+- decode_kill: streams on both decodes, one decode SIGKILLed mid-stream (its clients asked for
+  3000 tokens, so the kill lands mid-stream however slow the host): its clients get
   UNAVAILABLE (the message they print is reported), the other decode's clients finish every
   token; the killed decode comes back and all pools are at baseline.
 Exit status 0 only when every check held.
@@ -176,7 +177,10 @@ def phase_dns(cluster: Cluster, args) -> dict:
 def phase_decode_kill(cluster: Cluster, args) -> dict:
     decodes = cluster.replicas("decode")
     victim, others = decodes[0], decodes[1:]
-    groups = {d.name: launch([d.api], args.decode_kill_tokens,
+    # the victim's streams are far too long to finish before the kill lands (a slow host
+    # once let 200-token ones finish first); the others must finish every token
+    groups = {d.name: launch([d.api], args.victim_tokens if d == victim
+                             else args.decode_kill_tokens,
                              prompts(args.decode_kill_streams, 8, 40, seed=d.number),
                              args.timeout) for d in decodes}
     wait_for("every stream's first token", lambda: all(
@@ -223,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="first tokens seen before the prefill is killed")
     parser.add_argument("--kill-tokens", type=int, default=16)
     parser.add_argument("--decode-kill-streams", type=int, default=4, help="per decode")
-    parser.add_argument("--decode-kill-tokens", type=int, default=200)
+    parser.add_argument("--decode-kill-tokens", type=int, default=200,
+                        help="tokens each client of the surviving decode must get")
+    parser.add_argument("--victim-tokens", type=int, default=3000,
+                        help="tokens asked of the killed decode (cut long before)")
     args = parser.parse_args(argv)
     unknown = set(args.phases.split(",")) - set(PHASES)
     if unknown:

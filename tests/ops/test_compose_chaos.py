@@ -52,7 +52,8 @@ class FakeCluster:
 
 def args(**overrides) -> argparse.Namespace:
     values = {"timeout": 5.0, "streams": 4, "kill_after": 1, "kill_tokens": 16,
-              "decode_kill_streams": 2, "decode_kill_tokens": 200, "serve_requests": 1}
+              "decode_kill_streams": 2, "decode_kill_tokens": 200, "victim_tokens": 3000,
+              "serve_requests": 1}
     return argparse.Namespace(**{**values, **overrides})
 
 
