@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import os
+import signal
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -253,9 +255,14 @@ def test_a_client_that_disconnects_cancels_and_frees_its_pages(served):
     streamed_id = reply.getheader("x-request-id")
     assert reply.status == 200 and reply.readline().startswith(b"data: ")
     conn.close()  # mid-stream
-    # a whole (not streamed) request: the client gives up before the answer
-    with pytest.raises(TimeoutError):
-        _raw("POST", f"{base}/v1/completions", body, AUTH, timeout=1.0)
+    # a whole (not streamed) request: the client gives up before the answer, which cannot come
+    # while prefill is paused (1000 tokens alone take under a second on a quiet host)
+    os.kill(cluster.prefill.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError):
+            _raw("POST", f"{base}/v1/completions", body, AUTH, timeout=1.0)
+    finally:
+        os.kill(cluster.prefill.proc.pid, signal.SIGCONT)
     wait_until(lambda: _count(cluster, "request_cancelled") == cancelled_before + 2, 10,
                lambda: "both requests cancelled")
     assert "request_cancelled" in _events_of(cluster, streamed_id)
