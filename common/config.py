@@ -64,16 +64,22 @@ class ServiceConfig:
 
 
 # Chunked prefill: the most tokens of one prompt a forward pass computes. 2048 keeps a GPU's
-# matmuls large (a 2k x hidden GEMM is compute-bound on every current part) while a long prompt
-# leaves 3/4 of the default 8192-token pass to other prompts, so short requests are not queued
-# behind it; >= max_batch_tokens gives one prompt a whole pass.
+# matmuls large (a 2k x hidden GEMM is compute-bound on every current part); >= max_batch_tokens
+# gives one prompt a whole pass.
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+# The pass budget (--max-batch-tokens), all prompts of a pass together. 2048, vLLM's default for
+# its CPU and OpenAI-server engines: eight waiting 1024-token prompts then finish two by two
+# instead of all at the end of one 8192-token pass (TTFT p50 5/8 of it), and on the CPU the
+# smaller pass is also cheaper per token (its activations stay in cache): 8 x 1024 tokens on
+# the bench checkpoint, 1 thread, thread CPU time, 1.08-1.18x against 8192
+# (bench/prefill_pass_profile.py, docs/benchmarks.md).
+DEFAULT_MAX_BATCH_TOKENS = 2048
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
     service: ServiceConfig
-    max_batch_tokens: int = 8192
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     max_unsent_bytes: int = 512 << 20
     shared_memory: bool = True  # offer the shared-memory plane (same host only)

@@ -49,7 +49,7 @@ def refused(capsys, *argv: str) -> str:
 
 def test_defaults(capsys):
     config = show(capsys, "prefill")
-    assert config["service"]["page_size"] == 16 and config["max_batch_tokens"] == 8192
+    assert config["service"]["page_size"] == 16 and config["max_batch_tokens"] == 2048
     assert show(capsys, "decode")["max_batch"] == 64
 
 
