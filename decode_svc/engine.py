@@ -31,8 +31,8 @@ from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
 from decode_svc.content_check import (ContentCheckConfig, FiniteTracker, check_content,
                                       refusal_if_not_finite)
-from decode_svc.engine_commands import (AfterWrites, Begin, Landed, Release, Reserve, Stop,
-                                        Verify, Write, WriteBytes)
+from decode_svc.engine_commands import (AfterWrites, Begin, Landed, NewAttempt, Release,
+                                        Reserve, Stop, Verify, Write, WriteBytes)
 from decode_svc.finite_bits import all_finite_bytes, all_finite_pieces
 from decode_svc.full_audit import FullAudit
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence, TokenEvent
@@ -64,7 +64,7 @@ class DecodeEngine:
         self._handlers: dict[type, Callable[[object], None]] = {
             Reserve: self._on_reserve, Write: self._on_write, WriteBytes: self._on_write_bytes,
             Landed: self._on_landed, AfterWrites: self._on_after_writes, Verify: self._on_verify,
-            Begin: self._on_begin, Release: self._on_release}
+            Begin: self._on_begin, NewAttempt: self._on_new_attempt, Release: self._on_release}
 
     # ---- called from the event loop (thread-safe) ----
     def start(self) -> None:
@@ -114,6 +114,11 @@ class DecodeEngine:
     def begin(self, seq: Sequence) -> None:
         """The handoff of seq was verified and its writes queued: join the running batch."""
         self.submit(Begin(seq))
+
+    def new_attempt(self, request_id: str, done) -> None:
+        """A retry's handoff will write into the request's pages: forget what the earlier
+        attempts' writes recorded; done(None) after every command queued before this one."""
+        self.submit(NewAttempt(request_id, done))
 
     def release(self, request_id: str) -> None:
         """Frees whatever the request holds or waits for; safe to call more than once."""
@@ -274,6 +279,11 @@ class DecodeEngine:
         seq.emit(TokenEvent(seq.tokens[-1], 0))
         if not self._maybe_finish(seq):
             self._running[seq.request_id] = seq
+
+    def _on_new_attempt(self, command: NewAttempt) -> None:
+        self._write_failed.discard(command.request_id)
+        self._finite.forget(command.request_id)
+        command.done(None)
 
     def _on_release(self, command: Release) -> None:
         request_id = command.request_id

@@ -91,6 +91,19 @@ class Begin:
 
 
 @dataclass(frozen=True)
+class NewAttempt:
+    """Another handoff attempt is about to write into the request's reservation (a retry on
+    another replica): forget what earlier attempts' writes recorded (finiteness, a failed
+    write); the pages stay held, and the new attempt's verifier demands every token again.
+    done(None) on the engine thread once handled, that is after every write queued before it
+    (an earlier attempt's queued writes can no longer land over what a plane that writes the
+    pages directly lands for the new one)."""
+
+    request_id: str
+    done: Callable[[object], None]
+
+
+@dataclass(frozen=True)
 class Release:
     """Frees whatever the request holds or waits for; safe more than once."""
 

@@ -9,26 +9,29 @@ retry never follows a token. Which failures it retries:
 - refused (label `refused`): any other refusal of the handoff's form, of its content (the
   job's `check`, run inside each attempt: KV_LAYER0_MISMATCH, KV_DEPTH_MISMATCH) or of the peer
   (a bad frame, a checksum, PEER_REJECTED ...): never on the same replica, once more on another;
-- never: HANDOFF_TIMEOUT (the budget is spent); KV_NOT_FINITE (decode's finiteness record of a
-  request accumulates over every write into its pages, so another replica's KV would be refused
-  too, and wrongly counted against it); and anything that is not a HandoffRefused (decode's own
-  failures, such as CONTENT_CHECK_FAILED, and a client that left).
+  KV_NOT_FINITE is a content refusal like those (each attempt starts with decode's record of
+  the request's writes forgotten, `new_attempt`, so one replica's NaN never counts against the
+  next);
+- never: HANDOFF_TIMEOUT (the budget is spent); and anything that is not a HandoffRefused
+  (decode's own failures, such as CONTENT_CHECK_FAILED, and a client that left).
 Every refusal, retried or not, counts against the replica that sent the handoff.
 At most `max_retries` retries per request, each on a replica the request has not tried, within
 what is left of the first attempt's budget. Every attempt's outcome goes to the replica's
 breaker (prefill_replicas.report), so a replica that keeps failing is ejected.
 
 Pages: the retry reuses the request's reservation. The failed attempt's receiver has returned
-(no peer call, mapping or READ open, per KvReceiver), so nothing writes those pages any more,
-and the retry's verifier demands every token of every layer again before the pages are read;
-the lifecycle releases them once, however the request ends.
+(no peer call, mapping or READ open, per KvReceiver), and `new_attempt` (awaited before the
+retry asks anything) returns only after the engine ran every write the failed attempt queued
+and forgot what they recorded (finiteness, a failed write); so nothing of the failed attempt
+writes those pages any more, and the retry's verifier demands every token of every layer again
+before the pages are read; the lifecycle releases them once, however the request ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from common.counters import Counters
 from common.handoff.binding import new_nonce
@@ -40,7 +43,7 @@ from decode_svc.prefill_replicas import PrefillReplicas
 
 DEFAULT_MAX_RETRIES = 2
 TRANSPORT_REASONS = frozenset({"PEER_UNAVAILABLE", "TRANSFER_FAILED", "TRANSFER_TIMEOUT"})
-NEVER_RETRIED = frozenset({"HANDOFF_TIMEOUT", "KV_NOT_FINITE"})
+NEVER_RETRIED = frozenset({"HANDOFF_TIMEOUT"})
 MIN_RETRY_BUDGET_S = 0.5
 
 
@@ -64,7 +67,8 @@ def fresh_job(job: HandoffJob, timeout_s: float) -> HandoffJob:
 class RetryingReceiver(KvReceiver):
     def __init__(self, inner: KvReceiver, replicas: PrefillReplicas, counters: Counters,
                  retried: Callable[[str], None], log, max_retries: int = DEFAULT_MAX_RETRIES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 new_attempt: Callable[[str], Awaitable[None]] | None = None) -> None:
         self.inner = inner
         self.replicas = replicas
         self.counters = counters
@@ -72,6 +76,9 @@ class RetryingReceiver(KvReceiver):
         self.log = log
         self.max_retries = max_retries
         self.clock = clock
+        # awaited before each retry: the engine has run the failed attempt's writes and forgot
+        # what they recorded (DecodeEngine.new_attempt)
+        self.new_attempt = new_attempt
 
     @property
     def plane(self) -> str:  # type: ignore[override]
@@ -96,6 +103,8 @@ class RetryingReceiver(KvReceiver):
                         raise
                     retries += 1
                     self._count(why, err, request_id)
+                    if self.new_attempt is not None:
+                        await self.new_attempt(request_id)
                     job, record = fresh_job(job, left), TransferRecord(request_id, self.plane)
                     continue
                 except BaseException:

@@ -28,6 +28,7 @@ from decode_svc.cache_scope import identity_of_calls
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
 from decode_svc.handoff import HandoffPolicy, InlineReceiver
+from decode_svc.engine_answer import engine_answer
 from decode_svc.handoff_retry import RetryingReceiver
 from decode_svc.http.app import serve_openai
 from decode_svc.local_prefill import LocalPrefillEngine, LocalPrefillReceiver, agree_locally
@@ -234,7 +235,9 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                  SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}
                 | nixl, state,
                 fallback=config.data_plane == "auto", counters=counters),
-            client, counters, metrics.retried, log, config.handoff_retries),
+            client, counters, metrics.retried, log, config.handoff_retries,
+            new_attempt=lambda request_id: engine_answer(
+                lambda done: engine.new_attempt(request_id, done))),
         identity_of_calls(auth is not None))
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,

@@ -64,3 +64,40 @@ def test_a_bad_landing_fails_the_request_and_frees_its_pages(harness, case):
             _bytes(_kv(harness, 0.5)), _bytes(bad if layer == last else _kv(harness, 0.5))))
         assert isinstance(result, HandoffRefused) and result.reason == "KV_NOT_FINITE", result
     assert harness.pages_free() == baseline
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_a_retry_into_the_same_pages_is_judged_on_its_own_writes(harness, forget):
+    """A failed attempt landed a NaN (last layer) and a write that failed (layer 0); the retry
+    lands the prompt's honest KV into the same reservation. After new_attempt the verdict is the
+    retry's own (accepted); without it the failed attempt's record would refuse the retry."""
+    baseline = harness.pages_free()
+    engine, layers = harness.engine, harness.model.config.num_layers
+    _, honest, _ = harness.prefill(PROMPT)
+    bad = _kv(harness, 0.5)
+    bad[-1, -1, -1] = float("nan")
+
+    async def run():
+        await engine_answer(lambda done: engine.reserve("r", len(PROMPT), done))
+        engine.write_bytes("r", 0, 0, len(PROMPT), _bytes(bad)[:-2], _bytes(bad))
+        engine.write_bytes("r", layers - 1, 0, len(PROMPT), _bytes(bad), _bytes(bad))
+        if forget:
+            await engine_answer(lambda done: engine.new_attempt("r", done))
+        for layer in range(layers):
+            engine.write_bytes("r", layer, 0, len(PROMPT), _bytes(honest[layer][0]),
+                               _bytes(honest[layer][1]))
+        return await engine_answer(lambda done: engine.verify(
+            "r", PROMPT, SamplingConfig(), done))
+
+    try:
+        result = asyncio.run(run())
+    except (ServiceError, HandoffRefused) as err:
+        result = err
+    finally:
+        engine.release("r")
+        harness.drain()
+    if forget:
+        assert not isinstance(result, (ServiceError, HandoffRefused)), result
+    else:
+        assert isinstance(result, ServiceError) and result.reason == "KV_WRITE_FAILED", result
+    assert harness.pages_free() == baseline

@@ -274,16 +274,22 @@ async def test_a_content_refusal_is_never_asked_again_of_the_same_replica():
     await replicas.close()
 
 
-async def test_non_finite_kv_counts_against_its_replica_but_is_not_retried():
+async def test_non_finite_kv_counts_against_its_replica_and_is_retried_on_a_clean_record():
     replicas, inner, receiver, retried, ejected = make({}, failures_to_eject=1)
+    forgotten: list[tuple[str, int]] = []
+
+    async def new_attempt(request_id: str) -> None:  # the engine forgets the failed writes
+        forgotten.append((request_id, len(inner.seen)))
+
+    receiver.new_attempt = new_attempt
     favourite = replicas.chooser.choose(*_key_and_candidates(replicas, job()))
     j, checked = with_content_check(replicas, job(), {
         favourite: refuse("KV_NOT_FINITE", "NaN")})
-    with pytest.raises(HandoffRefused) as caught:
-        await receiver.receive(j, TransferRecord("r1", "inline"))
-    assert caught.value.reason == "KV_NOT_FINITE"
-    assert [n for n, _ in checked] == [favourite] and retried == []
-    assert ejected == [favourite]
+    landed = await receiver.receive(j, TransferRecord("r1", "inline"))
+    assert landed.content_checked
+    assert [n for n, _ in checked][0] == favourite and len(checked) == 2
+    assert retried == ["refused"] and ejected == [favourite]
+    assert forgotten == [("r1", 1)]  # once, after the failed attempt, before the retry asked
     await replicas.close()
 
 
