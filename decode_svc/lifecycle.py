@@ -188,7 +188,7 @@ class RequestLifecycle:
         expect = Expectation(request_id, len(prompt.token_ids), self.layout, self.fingerprint,
                              self.max_chunk_bytes, admitted.limits.vocab_size, nonce,
                              prompt_digest(prompt.token_ids), self.policy.allow_protocol_1_0,
-                             cache_page_size=self.engine.pool.page_size)
+                             cache_page_size=admitted.limits.prefill_page_size)
         timeout = (self.handoff_timeout_s if time_remaining is None
                    else min(time_remaining, self.handoff_timeout_s))
         record = TransferRecord(request_id, self.receiver.plane)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,11 +80,13 @@ def _agree(config: DecodeConfig, runtime: Runtime, info, current: DecodeLimits |
         context_window=min(capacity.context_window, int(info.max_context_tokens)),
         own_pool_tokens=capacity.pool_tokens,
         prefill_max_prompt=min(capacity.max_prompt_tokens, int(info.max_prompt_tokens)),
-        default_max_tokens=config.default_max_tokens)
+        default_max_tokens=config.default_max_tokens,
+        prefill_page_size=int(info.page_size))
     if current is not None:
         limits = dataclasses.replace(
             limits, context_window=min(limits.context_window, current.context_window),
-            prefill_max_prompt=min(limits.prefill_max_prompt, current.prefill_max_prompt))
+            prefill_max_prompt=min(limits.prefill_max_prompt, current.prefill_max_prompt),
+            prefill_page_size=math.gcd(limits.prefill_page_size, current.prefill_page_size))
     return limits, ""
 
 

@@ -23,6 +23,9 @@ class DecodeLimits:
     own_pool_tokens: int
     prefill_max_prompt: int
     default_max_tokens: int
+    # the page size every prefill replica's cache hits are whole multiples of (the gcd of what
+    # they advertise in GetPrefillInfo.page_size; 0 when none says)
+    prefill_page_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
     "nixl_read_timeout_s": (0.001, None), "torch_threads": (0, 1024),
     "prefill_busy_slack": (1, None), "handoff_retries": (0, 5),
-    "http_slow_reader_s": (0.001, None), "http_stream_buffer_bytes": (4096, None),
+    "http_slow_reader_s": (0.001, None), "http_stream_buffer_bytes": (4096, 1 << 30),
 }
 CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
            "kernels": ("auto", "triton", "torch", "cpu"),

@@ -248,7 +248,11 @@ class OpenAiApi:
         except ServiceError as err:
             if response is None:
                 return error_response(err)
-            await send(sse(error_object(err)) + DONE)
+            try:
+                await send(sse(error_object(err)) + DONE)
+            except (TimeoutError, ConnectionError):  # not reading, or gone: nothing more to say
+                if request.transport is not None:
+                    request.transport.abort()
         except TimeoutError:
             admitted.log.warning("client_too_slow", seconds=self.limits.slow_reader_s,
                                  message="the client read nothing for this long; the request "
