@@ -7,11 +7,15 @@ the prompt, never timed."""
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import openai
 import pytest
 
-from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc
+from common.pb.kvhandoff.v1 import (common_pb2, generate_pb2, generate_pb2_grpc, handoff_pb2,
+                                    handoff_pb2_grpc)
+from conformance.binding import commit_crc
 from tests.helpers.checkpoints import make_chat_checkpoint
 from tests.helpers.cluster import start_cluster
 from tests.ops.helpers import log_events
@@ -107,3 +111,31 @@ def test_without_a_prefix_cache_nothing_is_reported_cached(uncached):
     n, _ = _http(base, model, TOKEN_A, "salt-1")
     assert _http(base, model, TOKEN_A, "salt-1") == (n, 0)
     assert _grpc(cluster.address, TOKEN_A, "salt-1") == (n, 0)
+
+
+def _prefill_commit(address: str, minor: int, scope: bytes, tokens: list[int]):
+    """The commit prefill sends for a handoff asked in protocol 1.<minor>."""
+    with grpc.insecure_channel(address) as channel:
+        stub = handoff_pb2_grpc.HandoffServiceStub(channel)
+        info = stub.GetPrefillInfo(handoff_pb2.GetPrefillInfoRequest(), timeout=60)
+        request = handoff_pb2.PrefillRequest(
+            request_id=f"raw-{minor}-{os.urandom(4).hex()}", token_ids=tokens,
+            protocol_version=common_pb2.ProtocolVersion(major=1, minor=minor),
+            model_fingerprint=info.model_fingerprint, max_chunk_bytes=1 << 20,
+            nonce=os.urandom(16), cache_scope=scope)
+        frames = list(stub.Prefill(request, timeout=120))
+    commit = frames[-1].commit
+    assert frames[-1].HasField("commit") and commit.status == handoff_pb2.HANDOFF_STATUS_OK
+    return commit
+
+
+def test_prefill_reports_cached_tokens_only_to_a_1_2_request(served):
+    """P-90: a 1.1 request's commit never carries the field, so its checksum is 1.1's own."""
+    cluster, *_ = served
+    tokens, scope = list(range(5, 5 + 3 * PAGE + 5)), os.urandom(32)
+    assert _prefill_commit(cluster.prefill.address, 2, scope, tokens).cached_tokens == 0
+    again = _prefill_commit(cluster.prefill.address, 2, scope, tokens)
+    assert again.cached_tokens == 3 * PAGE and again.commit_crc32c == commit_crc(again)
+    old = _prefill_commit(cluster.prefill.address, 1, scope, tokens)  # cached, but 1.1
+    assert old.cached_tokens == 0  # proto3: field 9 absent from the wire
+    assert old.commit_crc32c == commit_crc(old)  # with no count: the 1.1 checksum
