@@ -117,13 +117,36 @@ async def _stream(args: argparse.Namespace, out: Output) -> int:
                       f"decode; point --target at the decode service (port 50051 by default)",
                       err.code().name)
             return 1
-        details = err.details() or ""
+        details, reason = err.details() or "", error_reason(err) or ""
+        if err.code() == grpc.StatusCode.UNAVAILABLE and not reason and _connection_lost(details):
+            out.error(_lost_message(args.target, len(token_ids), details), err.code().name,
+                      "CONNECTION_LOST")
+            return 1
         if err.code() == grpc.StatusCode.UNAVAILABLE:
             details = explain_unreachable(details, args.target, args.tls_ca) or details
-        out.error(details, err.code().name, error_reason(err) or "")
+        out.error(details, err.code().name, reason)
         return 1
     finally:
         await channel.close()
+
+
+# what gRPC says when an established connection ends under a call (the server process died,
+# or something between reset the connection), as opposed to a server's own UNAVAILABLE answer
+LOST_CONNECTION_DETAILS = ("Socket closed", "Stream removed", "Connection reset by peer",
+                           "Broken pipe", "GOAWAY")
+
+
+def _connection_lost(details: str) -> bool:
+    return any(marker in details for marker in LOST_CONNECTION_DETAILS)
+
+
+def _lost_message(target: str, num_tokens: int, details: str) -> str:
+    """A connection that broke mid-call, said as what happened and what to do."""
+    when = (f"after {num_tokens} token{'s' if num_tokens != 1 else ''} (the text above is "
+            f"incomplete)" if num_tokens else "before the first token")
+    return (f"the connection to {target} was lost {when}: the decode service stopped or "
+            f"crashed mid-request (gRPC: {details}); retry the request, on another replica if "
+            f"there is one")
 
 
 def _tls_reason(args: argparse.Namespace) -> str | None:
