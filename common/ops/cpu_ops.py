@@ -11,6 +11,7 @@ import torch
 from common.kernels.decode_attention_sdpa import decode_attention_sdpa
 from common.kernels.paged_prefill_attention_sdpa import paged_prefill_attention_sdpa
 from common.kernels.prefill_attention_sdpa import prefill_attention_sdpa
+from common.kernels.store_kv_index_copy import store_kv_index_copy
 from common.ops.torch_ops import TorchOps
 
 
@@ -20,6 +21,9 @@ class CpuOps(TorchOps):
     against the float32 references (tests/kernels/test_*_sdpa.py)."""
 
     name: str = "cpu"
+
+    def store_kv(self, key, value, k_cache, v_cache, slot_mapping):
+        store_kv_index_copy(key, value, k_cache, v_cache, slot_mapping)
 
     def prefill_attention(self, q, k, v, cu_seqlens, max_seqlen, scale) -> torch.Tensor:
         return prefill_attention_sdpa(q, k, v, cu_seqlens, max_seqlen, scale)
