@@ -2,7 +2,7 @@
 
 gRPC's Python API gives no handshake error of its own: the reason is only in the details string
 of the UNAVAILABLE that a call without wait_for_ready gets ("failed to connect to all
-addresses; last error: UNKNOWN: ipv4:10.1.2.3:50061: Tls handshake failed (TSI_PROTOCOL_FAILURE):
+addresses; last error: UNKNOWN: ipv4:127.0.0.1:50061: Tls handshake failed (TSI_PROTOCOL_FAILURE):
 ... CERTIFICATE_VERIFY_FAILED ..."). `diagnose` reads those details for the causes a person can
 fix and says each in one sentence that starts with "TLS"; the CLI prints it and decode logs it
 when it dials prefill. A call with wait_for_ready ends in a bare DEADLINE_EXCEEDED instead:
