@@ -52,7 +52,7 @@ build_image="$image-build"
 SMOKE_MIN_FREE_GB=${SMOKE_MIN_FREE_GB:-8}
 work=$(mktemp -d /tmp/kvhandoff-smoke.XXXXXX)
 declare -A timings=()
-started_dockerd=""
+. scripts/dockerd.sh  # ensure_dockerd, stop_started_dockerd (we are at the repository root)
 made_base=""
 made_wheels=""
 standalone=""
@@ -96,11 +96,7 @@ cleanup() {
                 -delete
         fi
     fi
-    if [[ -n "$started_dockerd" ]]; then
-        kill "$started_dockerd" 2>/dev/null
-        for _ in $(seq 1 60); do kill -0 "$started_dockerd" 2>/dev/null || break; sleep 0.5; done
-        kill -0 "$started_dockerd" 2>/dev/null && say "dockerd $started_dockerd did not stop"
-    fi
+    stop_started_dockerd
     rm -rf "$work"
     if [[ $status -eq 0 ]]; then
         say "PASS in $(since "$t_start") s"
@@ -114,21 +110,7 @@ trap 'exit 130' INT TERM
 
 # 1. dockerd ------------------------------------------------------------------------------
 t=$(now)
-if ! timeout 20 docker info >/dev/null 2>&1; then
-    command -v dockerd >/dev/null || die "no dockerd (apt-get install docker.io) and none running"
-    say "starting dockerd (log: $work/dockerd.log)"
-    # No iptables rules, no IP forwarding, no masquerading: containers talk to each other on
-    # their bridge and to the host (published ports go through docker-proxy on 127.0.0.1).
-    dockerd --iptables=false --ip-forward=false --ip-masq=false \
-        --pidfile "$work/dockerd.pid" >"$work/dockerd.log" 2>&1 &
-    started_dockerd=$!
-    for _ in $(seq 1 120); do
-        timeout 5 docker info >/dev/null 2>&1 && break
-        kill -0 "$started_dockerd" 2>/dev/null || { tail -n 20 "$work/dockerd.log" >&2; die "dockerd exited"; }
-        sleep 0.5
-    done
-    timeout 5 docker info >/dev/null 2>&1 || die "dockerd did not answer within 60 s"
-fi
+ensure_dockerd
 engine=$(docker version -f '{{.Server.Version}}')
 timings[dockerd]=$(since "$t")
 say "engine $engine, $($COMPOSE version --short 2>/dev/null || $COMPOSE version)"

@@ -46,7 +46,7 @@ base=${KVHANDOFF_BASE_IMAGE:-kvhandoff-base:bookworm}
 image=${TWO_HOSTS_IMAGE:-kvhandoff-twohosts:local}
 work=$(mktemp -d /tmp/kvhandoff-twohosts.XXXXXX)
 doc=$(pwd)/docs/two-hosts.md
-started_dockerd=""
+. scripts/dockerd.sh  # ensure_dockerd, stop_started_dockerd (we are at the repository root)
 network_made=""
 containers=()
 checks=()
@@ -77,10 +77,7 @@ cleanup() {
     if [[ "${TWO_HOSTS_CLEAN:-}" == all ]]; then
         docker image rm -f "$image" "$image-build" >/dev/null 2>&1
     fi
-    if [[ -n "$started_dockerd" ]]; then
-        kill "$started_dockerd" 2>/dev/null
-        for _ in $(seq 1 60); do kill -0 "$started_dockerd" 2>/dev/null || break; sleep 0.5; done
-    fi
+    stop_started_dockerd
     if [[ -n "${TWO_HOSTS_REPORT:-}" ]]; then
         printf '%s\n' "${checks[@]}" | "$PYTHON" -c 'import json, sys
 json.dump({"passed": sys.argv[1] == "0", "checks": sys.stdin.read().splitlines()},
@@ -106,19 +103,7 @@ for name in certs prefill decode client health; do
 done
 
 # 1. dockerd ------------------------------------------------------------------------------
-if ! timeout 20 docker info >/dev/null 2>&1; then
-    command -v dockerd >/dev/null || die "no dockerd (apt-get install docker.io) and none running"
-    say "starting dockerd (log: $work/dockerd.log)"
-    dockerd --iptables=false --ip-forward=false --ip-masq=false \
-        --pidfile "$work/dockerd.pid" >"$work/dockerd.log" 2>&1 &
-    started_dockerd=$!
-    for _ in $(seq 1 120); do
-        timeout 5 docker info >/dev/null 2>&1 && break
-        kill -0 "$started_dockerd" 2>/dev/null || { tail -n 20 "$work/dockerd.log" >&2; die "dockerd exited"; }
-        sleep 0.5
-    done
-    timeout 5 docker info >/dev/null 2>&1 || die "dockerd did not answer within 60 s"
-fi
+ensure_dockerd
 
 # 2. base image, wheels, image ------------------------------------------------------------
 if ! docker image inspect "$base" >/dev/null 2>&1; then
