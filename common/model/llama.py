@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model.config import ModelConfig
-from common.model.cpu_weights import PACKED_ROWS, column_major, lm_head_for, packed_linear
+from common.model.cpu_weights import column_major, lm_head_for, packed_linear, packed_rows
 from common.model.protocol import DecodeBatch, PrefillBatch
 from common.ops.interface import KernelOps
 
@@ -42,12 +42,17 @@ class LlamaModel:
         if device.type == "cpu":  # storage order only (common/model/cpu_weights.py)
             for name in [n for n in self.w if _is_projection(n)]:
                 self.w[name] = column_major(self.w[name])
-        self._packed = {}  # name -> oneDNN linear for PACKED_ROWS rows (cpu_weights.py)
+        # name -> (oneDNN linear, the row counts it serves) (cpu_weights.py)
+        self._packed: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], range]] = {}
         if ops.name == "cpu":
             for name in [n for n in self.w if _is_projection(n)]:
                 linear = packed_linear(self.w[name], self.w.get(name[:-len("weight")] + "bias"))
-                if linear is not None:
-                    self._packed[name[:-len(".weight")]] = linear
+                if linear is None:
+                    continue
+                rows = packed_rows(self.w[name])
+                self._packed[name[:-len(".weight")]] = (linear, rows)
+                if rows.start == 0:  # it serves every row count: the only copy
+                    del self.w[name]
         tied = "lm_head.weight" not in self.w  # then the embedding table is the head
         head = self.w["model.embed_tokens.weight"] if tied else self.w.pop("lm_head.weight")
         self._lm_head = lm_head_for(head, tied)  # [T, H] -> [T, vocab]
@@ -58,8 +63,8 @@ class LlamaModel:
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         # x: [T, K] -> [T, N]
         packed = self._packed.get(name)
-        if packed is not None and x.shape[0] in PACKED_ROWS:
-            return packed(x)
+        if packed is not None and x.shape[0] in packed[1]:
+            return packed[0](x)
         return F.linear(x, self.w[f"{name}.weight"], self.w.get(f"{name}.bias"))
 
     def _qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor):
