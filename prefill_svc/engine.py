@@ -35,6 +35,7 @@ from common.metrics import NullMetrics
 from common.model.llama import LlamaModel, PrefillBatch
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig, sample_batch
+from common.server.core_borrowing import CoreBorrowing, CoreBorrowingConfig
 from prefill_svc.kv_sender import InlineSender, KvSender
 from prefill_svc.pass_plan import ChunkSlice, next_slice, plan_running
 from prefill_svc.prefix_cache import PrefixCache, PrefixCacheConfig
@@ -80,11 +81,13 @@ class PrefillEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, layout: KvLayout, max_batch_tokens: int,
                  log, counters: Counters, send_budget: SendBudget, metrics=None,
                  prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None,
+                 cores: CoreBorrowing | None = None) -> None:
         if max_batch_tokens < 1 or prefill_chunk_tokens < 1:
             raise ValueError(f"max_batch_tokens {max_batch_tokens} and prefill_chunk_tokens "
                              f"{prefill_chunk_tokens} must be >= 1")
         self.model = model
+        self._cores = cores or CoreBorrowing(CoreBorrowingConfig())  # decode's idle cores
         self.cache = prefix_cache or PrefixCache(pool, PrefixCacheConfig(enabled=False), counters)
         self._send_budget = send_budget
         self.metrics = metrics if metrics is not None else NullMetrics()
@@ -210,7 +213,8 @@ class PrefillEngine:
         jobs = [s.job for s in plan]
         try:
             started = time.monotonic()
-            logits = self._forward(plan)  # [len(plan), vocab]
+            with self._cores.prefill_pass():
+                logits = self._forward(plan)  # [len(plan), vocab]
             self.metrics.prefill(time.monotonic() - started, sum(s.num_tokens for s in plan),
                                  len(plan))
             self.counters.add("forward_passes")

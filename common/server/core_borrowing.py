@@ -1,0 +1,119 @@
+"""Two services of a pair on one host lend each other their idle cores.
+
+`kvhandoff up` splits the host's cores between prefill and decode, so neither slows the other;
+but at low load one of them idles while the other computes on half the machine (one client:
+decode waits while prefill computes its prompt, then prefill waits while decode steps). Each
+engine thread therefore raises its torch intra-op threads to `own + borrowed` while the other
+side is known to be idle, and drops back to `own` otherwise:
+
+- decode knows when prefill works for it: from the moment it reserves pages for a handoff until
+  the KV has arrived (`awaiting`). While nothing awaits KV it borrows prefill's cores;
+- prefill cannot see decode's batch, so decode holds an advisory lock (flock) on a file, the
+  *busy file*, whenever it has sequences running or KV to check; prefill borrows decode's cores
+  for one pass only if it can take that lock, and holds it for the pass.
+
+Invariants: neither side ever waits for the lock (a side that cannot take it computes with its
+own threads), so a lock held by a stalled or killed peer costs speed, never progress (flock locks
+die with their holder); the thread count changes only on the engine thread, between steps or
+passes; with borrowed == 0 nothing changes and no file is opened. The lock is a hint about speed,
+never about correctness: the pages and the KV do not depend on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class CoreBorrowingConfig:
+    own_threads: int = 0  # torch threads on the service's own cores (0: leave torch's count)
+    borrowed_threads: int = 0  # extra threads while the peer is idle (0: never borrow)
+    busy_file: str = ""  # the lock file both services of the pair name
+
+    @property
+    def enabled(self) -> bool:
+        return self.borrowed_threads > 0 and self.own_threads > 0
+
+
+class _BusyLock:
+    """A non-blocking exclusive flock on one file; held or not, never waited for."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.held = False
+
+    def try_take(self) -> bool:
+        if not self.held:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.held = True
+            except BlockingIOError:
+                return False
+        return True
+
+    def give_back(self) -> None:
+        if self.held:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self.held = False
+
+    def close(self) -> None:
+        self.give_back()
+        os.close(self._fd)
+
+
+class CoreBorrowing:
+    """The engine thread's torch thread count, by the rule above. A disabled one does nothing."""
+
+    def __init__(self, config: CoreBorrowingConfig, counters=None) -> None:
+        self.config = config
+        self._counters = counters
+        self._lock = _BusyLock(config.busy_file) if config.enabled and config.busy_file else None
+        self._threads = config.own_threads
+
+    def _use(self, threads: int) -> None:
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+            if self._counters is not None and threads > self.config.own_threads:
+                self._counters.add("core_borrows")
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    # ---- decode ----
+    def decode_state(self, computing: bool, awaiting: bool) -> None:
+        """Decode's engine thread, before it computes (computing) or when it goes idle:
+        holds the busy file while computing, and borrows while no handoff awaits KV."""
+        if not self.config.enabled:
+            return
+        if computing and self._lock is not None:
+            self._lock.try_take()
+        elif self._lock is not None:
+            self._lock.give_back()
+        borrow = computing and not awaiting
+        self._use(self.config.own_threads + (self.config.borrowed_threads if borrow else 0))
+
+    # ---- prefill ----
+    @contextlib.contextmanager
+    def prefill_pass(self) -> Iterator[None]:
+        """Around one prefill pass: borrowed threads if decode's busy file could be taken."""
+        if not self.config.enabled or self._lock is None or not self._lock.try_take():
+            yield
+            return
+        try:
+            self._use(self.config.own_threads + self.config.borrowed_threads)
+            yield
+        finally:
+            self._use(self.config.own_threads)
+            self._lock.give_back()
+
+    def close(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
