@@ -73,7 +73,9 @@ async def receive_handoff(client: PrefillClient | PrefillReplicas, engine: Decod
     started = time.monotonic()
     try:
         call = client.prefill(request, handoff_budget(timeout))  # may refuse: no replica
+        record.mark("call_opened")
         async for frame in call:
+            record.mark("first_frame")  # the header, sent before prefill's pass starts
             if resolve is not None:
                 frame = resolve(frame)
                 if inspect.isawaitable(frame):  # NIXL: the READ of the chunk's bytes
@@ -82,6 +84,7 @@ async def receive_handoff(client: PrefillClient | PrefillReplicas, engine: Decod
                 frame = _inline_only(frame)
             chunk = verifier.on_frame(frame)
             if chunk is not None:
+                record.mark("first_chunk")
                 record.move(TransferState.TRANSFERRING)
                 received += len(chunk.k) + len(chunk.v)
                 if deliver is not None:
@@ -89,6 +92,8 @@ async def receive_handoff(client: PrefillClient | PrefillReplicas, engine: Decod
                 else:
                     write_chunk(engine, expect.request_id, chunk)
                 record.bytes_landed = received
+                record.marks["last_chunk"] = time.monotonic()
+        record.mark("stream_ended")  # the commit read and the call's status with it
         landed = LandedKv(verifier.finish(), received, verifier.bound,
                           cached_tokens=verifier.cached_tokens)
         record.move(TransferState.SUCCESS)

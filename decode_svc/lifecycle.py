@@ -83,6 +83,16 @@ class Finished:
 Event = Token | Finished
 
 
+def handoff_timeline(received: float, reserved: float, record: TransferRecord,
+                     handed: float) -> dict[str, float]:
+    """Milliseconds from the request's arrival to each milestone of its hand-off that was
+    reached (the first attempt's receiver marks, in time order), then `verified` (form and
+    content checked): where a request's time before its first token went."""
+    marks = {"reserved": reserved, **record.marks, "verified": handed}
+    return {name: round((at - received) * 1e3, 2)
+            for name, at in sorted(marks.items(), key=lambda item: item[1])}
+
+
 class RequestLifecycle:
     def __init__(self, engine: DecodeEngine, receiver: KvReceiver, state: DecodeState,
                  layout: KvLayout, fingerprint: str, tokenizer: Tokenizer | None,
@@ -143,11 +153,15 @@ class RequestLifecycle:
         try:
             landed = await self._hand_off(admitted, time_remaining)
             self._join(admitted, landed.first_token, events)
+            first_token_at = None
             async for event in self._stream(events, admitted.request_id,
                                             len(admitted.prompt.token_ids), received,
                                             StopStrings(admitted.stops), landed.cached_tokens):
+                first_token_at = first_token_at or time.monotonic()
                 yield event
-            log.info("request_finished", seconds=round(time.monotonic() - received, 4))
+            log.info("request_finished", seconds=round(time.monotonic() - received, 4),
+                     first_token_ms=(None if first_token_at is None else
+                                     round((first_token_at - received) * 1e3, 2)))
         except (asyncio.CancelledError, GeneratorExit):  # client gone (Ctrl-C) or deadline
             log.info("request_cancelled", seconds=round(time.monotonic() - received, 4))
             self.metrics.ended("cancelled")
@@ -200,7 +214,9 @@ class RequestLifecycle:
         admitted.log.info("prefilled_locally" if landed.own_kv else "handoff_verified",
                           prompt_tokens=len(prompt.token_ids), bytes=landed.payload_bytes,
                           cached_tokens=landed.cached_tokens, plane=record.plane,
-                          seconds=round(handed - queued, 4))
+                          seconds=round(handed - queued, 4),
+                          timeline_ms=handoff_timeline(admitted.received, queued, record,
+                                                       handed))
         self.metrics.handoff(handed - queued, landed.payload_bytes, queued - admitted.received)
         return landed
 

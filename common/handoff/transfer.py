@@ -13,7 +13,8 @@ its own copy, then the content checks); a FAILED transfer's bytes are never used
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 
 class TransferState(enum.Enum):
@@ -45,6 +46,12 @@ class TransferRecord:
     state: TransferState = TransferState.WAITING
     bytes_landed: int = 0
     failure: str = ""  # the refusal reason once FAILED
+    # time.monotonic() of the receiver's milestones (call opened, header, first and last
+    # chunk, commit), first time each is reached: for the handoff's timeline in decode's log
+    marks: dict[str, float] = field(default_factory=dict)
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, time.monotonic())
 
     def move(self, state: TransferState, failure: str = "") -> None:
         if state == self.state and state == TransferState.TRANSFERRING:
