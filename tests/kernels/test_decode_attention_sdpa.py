@@ -54,10 +54,12 @@ def test_strided_query(make_paged_kv, tol):
                                **tol(F32))
 
 
-def test_pages_in_one_run_are_read_through_a_view(tol):
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_pages_in_one_run_are_read_through_a_view(tol, dtype):
     """Sequences whose pages are one ascending run (the allocator's usual hand-out) take the
     view path, one with reversed pages the gather path beside them; NaN in every slot no
-    sequence wrote (each last page's tail, the pages between and after) never shows."""
+    sequence wrote (each last page's tail, the pages between and after) never shows. bf16 is
+    held to the float32 reference on the same (rounded) inputs."""
     lens, page_size, heads, dim = [1, 17, 1025, 40], 16, NUM_KV_HEADS, 64
     needed = [(n + page_size - 1) // page_size for n in lens]
     num_pages = 2 + sum(needed) + len(lens)
@@ -74,10 +76,30 @@ def test_pages_in_one_run_are_read_through_a_view(tol):
         v_cache.view(-1, heads, dim)[slots.flatten()[:n]] = torch.randn(n, heads, dim)
     assert contiguous_rows(table, torch.tensor(needed)) == [True, True, True, False]
     q = torch.randn(len(lens), heads * 2, dim)
-    args = (q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), 0.125)
-    out = decode_attention_sdpa(*args)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    q, k_cache, v_cache = q.to(dtype), k_cache.to(dtype), v_cache.to(dtype)
+    out = decode_attention_sdpa(q, k_cache, v_cache, table, lens_t, 0.125)
+    assert out.dtype == dtype
     assert not out.isnan().any(), "a slot no sequence wrote reached the output"
-    torch.testing.assert_close(out, decode_attention_reference(*args), **tol(F32))
+    ref = decode_attention_reference(q.float(), k_cache.float(), v_cache.float(), table, lens_t,
+                                     0.125)
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_half_dtypes_against_the_float32_reference(make_paged_kv, tol, group, dtype):
+    """Half types take the one-query-per-head layout (enable_gqa); each group size is held to
+    the float32 reference on the same rounded inputs, q a strided view as the model passes."""
+    paged = make_paged_kv([1, 17, 200, 33], 16, NUM_KV_HEADS, 64, dtype)
+    heads = NUM_KV_HEADS * group
+    q = torch.randn(4, heads + 2 * NUM_KV_HEADS, 64).to(dtype)[:, :heads]
+    args = (paged.k_cache, paged.v_cache, paged.page_table, paged.seq_lens, 0.125)
+    out = decode_attention_sdpa(q, *args)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert not out.isnan().any(), "a slot no sequence wrote reached the output"
+    ref = decode_attention_reference(q.float(), args[0].float(), args[1].float(), *args[2:])
+    torch.testing.assert_close(out.float(), ref, **tol(dtype))
 
 
 def test_contiguous_rows_looks_only_at_pages_in_use():
