@@ -39,13 +39,15 @@ class BackgroundLoop:
 
 
 class DecodeHarness:
-    def __init__(self, workdir: Path, decode_flags: tuple[str, ...] = ()) -> None:
+    def __init__(self, workdir: Path, decode_flags: tuple[str, ...] = (),
+                 prefill_flags: tuple[str, ...] = ()) -> None:
         self.bg = BackgroundLoop()
         self.prefill: Service | None = None
         self.decode: Service | None = None
         self.target: DecodeTarget | None = None
         try:
-            self.prefill = start_service("prefill", workdir / "prefill", PREFILL_FLAGS)
+            self.prefill = start_service("prefill", workdir / "prefill",
+                                         [*PREFILL_FLAGS, *prefill_flags])
             self.fake = FakePrefill(self.prefill.address)
             fake_port = self.bg.run(self.fake.start("127.0.0.1:0"))
             self.decode = start_service("decode", workdir / "decode", [
