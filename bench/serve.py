@@ -103,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu-split", action=argparse.BooleanOptionalAction, default=True,
                    help="give a started prefill and decode each its own share of the CPUs, as "
                         "`kvhandoff up` does (a local-prefill decode gets all of them)")
+    p.add_argument("--core-borrowing", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --cpu-split, each service of a pair also computes on the other's "
+                        "CPUs while the other idles, as `kvhandoff up` does")
     p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
     p.add_argument("--vocab-size", type=int, default=0, help="(with --target) token id bound")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
@@ -280,7 +283,8 @@ def main(argv: list[str]) -> int:
                 deployment = start_deployment("disaggregated" if variant else mode, flags,
                                               Path(tmp) / label, args.torch_threads,
                                               shlex.split(args.decode_args),
-                                              cpu_split=args.cpu_split, variant=variant)
+                                              cpu_split=args.cpu_split, variant=variant,
+                                              core_borrowing=args.core_borrowing)
                 try:
                     run_mode(label, GrpcBackend(deployment.address), deployment.pids, args,
                              specs, warmups, loads, results, runs)
@@ -298,7 +302,8 @@ def main(argv: list[str]) -> int:
               "input_len": str(args.input_len), "output_len": str(args.output_len),
               "loads": [_load_name(r, c) for r, c in loads], "slo_ttft_ms": args.slo_ttft_ms,
               "slo_tpot_ms": args.slo_tpot_ms, "torch_threads": args.torch_threads,
-              "cpu_split": args.cpu_split, "service_flags": flags,
+              "cpu_split": args.cpu_split, "core_borrowing": args.core_borrowing,
+              "service_flags": flags,
               "decode_args": args.decode_args, "seed": args.seed, "started": started}
     shared = f"a shared prefix of {args.shared_prefix_len} and " if args.shared_prefix_len else ""
     placed = ("the URL's server" if args.backend == "openai" else

@@ -59,19 +59,28 @@ class Deployment:
         stop_processes([service.proc for service in reversed(self.services)])
 
 
-def placement_flags(role: str, mode: str, torch_threads: int, cpu_split: bool) -> list[str]:
+def placement_flags(role: str, mode: str, torch_threads: int, cpu_split: bool,
+                    busy_file: Path | None = None) -> list[str]:
     """--cpu-affinity and --torch-threads of one service, as `kvhandoff up` places them: with
     cpu_split, a prefill and its decode each get their own share of this process's CPUs (a
     local-prefill decode all of them), and torch_threads 0 means one per CPU of the share;
-    without it, only torch_threads > 0 is passed on (on a small shared machine, more threads
-    than free cores make every parallel op wait for a timeslice)."""
+    with a busy_file too, each also borrows the other's share while the other idles
+    (--borrow-cpus, common/server/core_borrowing.py), as up's --core-borrowing does;
+    without cpu_split, only torch_threads > 0 is passed on (on a small shared machine, more
+    threads than free cores make every parallel op wait for a timeslice)."""
     if not cpu_split:
         return ["--torch-threads", str(torch_threads)] if torch_threads > 0 else []
     cpus = allowed_cpus()
+    borrow: tuple[int, ...] = ()
     if mode in PREFILL_FLAGS:
-        cpus = split_cores(cpus)[0 if role == "prefill" else 1]
-    return ["--cpu-affinity", format_cpu_list(cpus), "--torch-threads",
-            str(torch_threads or len(cpus))]
+        shares = split_cores(cpus)
+        cpus, peer = (shares if role == "prefill" else shares[::-1])
+        borrow = tuple(c for c in peer if c not in cpus) if busy_file is not None else ()
+    flags = ["--cpu-affinity", format_cpu_list(cpus), "--torch-threads",
+             str(torch_threads or len(cpus))]
+    if borrow:
+        flags += ["--borrow-cpus", format_cpu_list(borrow), "--busy-file", str(busy_file)]
+    return flags
 
 
 def _start(role: str, flags: list[str], workdir: Path, env: dict, timeout: float
@@ -83,7 +92,8 @@ def _start(role: str, flags: list[str], workdir: Path, env: dict, timeout: float
 
 def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_threads: int,
                      decode_flags: list[str] = (), timeout: float = 300.0,
-                     cpu_split: bool = True, variant: Variant | None = None) -> Deployment:
+                     cpu_split: bool = True, variant: Variant | None = None,
+                     core_borrowing: bool = False) -> Deployment:
     """Starts `mode` (one of MODES: 'local' is decode --local-prefill, the others a prefill
     and a decode), placed on the CPUs by placement_flags, and waits until decode reports
     SERVING. With a variant, mode is 'disaggregated' and each service gets the variant's
@@ -96,19 +106,21 @@ def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_t
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     deployment = Deployment(mode, "")
+    busy_file = workdir / "decode.busy" if core_borrowing else None
     try:
         decode_extra = list(decode_flags)
         if mode in PREFILL_FLAGS:
             prefill = _start("prefill", [*service_flags, *PREFILL_FLAGS[mode],
                                          *placement_flags("prefill", mode, torch_threads,
-                                                          cpu_split), *extra_prefill],
+                                                          cpu_split, busy_file), *extra_prefill],
                              workdir, env, timeout)
             deployment.services.append(prefill)
             decode_extra += ["--prefill", prefill.address]
         else:
             decode_extra += ["--local-prefill"]
         decode = _start("decode", [*service_flags,
-                                   *placement_flags("decode", mode, torch_threads, cpu_split),
+                                   *placement_flags("decode", mode, torch_threads, cpu_split,
+                                                    busy_file),
                                    *decode_extra], workdir, env, timeout)
         deployment.services.append(decode)
         deployment.address = decode.address

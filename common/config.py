@@ -44,6 +44,10 @@ class ServiceConfig:
     # of cpu_affinity, else torch's default) and the CPUs the process runs on ("": unchanged)
     torch_threads: int = 0
     cpu_affinity: str = ""
+    # core borrowing (common/server/core_borrowing.py): the peer's CPUs this service may also
+    # use while the peer idles, and the lock file of the pair (decode holds it while it computes)
+    borrow_cpus: str = ""
+    busy_file: str = ""
 
     def torch_device(self) -> torch.device:
         import torch

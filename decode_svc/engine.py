@@ -29,6 +29,7 @@ from common.kernels.pack_kv import unpack_kv_bytes_cpu
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
+from common.server.core_borrowing import CoreBorrowing, CoreBorrowingConfig
 from decode_svc.content_check import (ContentCheckConfig, FiniteTracker, check_content,
                                       refusal_if_not_finite)
 from decode_svc.engine_commands import (AfterWrites, Begin, Landed, NewAttempt, Release,
@@ -44,8 +45,11 @@ COMMANDS_PER_STEP = 64
 class DecodeEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, max_batch: int, max_waiting: int,
                  log, counters: Counters,
-                 content_checks: ContentCheckConfig | None = None) -> None:
+                 content_checks: ContentCheckConfig | None = None,
+                 cores: CoreBorrowing | None = None) -> None:
         self.model = model
+        self._cores = cores or CoreBorrowing(CoreBorrowingConfig())  # prefill's idle cores
+        self._awaiting_kv: set[str] = set()  # pages reserved, KV not yet all here
         self.content_checks = content_checks or ContentCheckConfig()
         self._finite = FiniteTracker()
         self._rng = random.SystemRandom()  # the depth positions are drawn after the KV arrived
@@ -149,6 +153,8 @@ class DecodeEngine:
                 except Exception as exc:  # keep the engine alive; fail only that request
                     self.log.exception("engine_command_failed",
                                        command=type(command).__name__, error=str(exc))
+            self._cores.decode_state(computing=bool(self._running),
+                                     awaiting=bool(self._awaiting_kv))
             if self._running:
                 try:
                     self._step_or_fail()
@@ -179,6 +185,8 @@ class DecodeEngine:
             res.done(ServiceError(grpc.StatusCode.INTERNAL, "RESERVE_FAILED",
                                   f"could not reserve KV pages: {exc}"))
             return
+        self._awaiting_kv.add(res.request_id)
+        self._cores.decode_state(computing=bool(self._running), awaiting=True)
         res.done(pages)
 
     def _on_write(self, command: Write) -> None:
@@ -246,6 +254,8 @@ class DecodeEngine:
     def _on_verify(self, job: Verify) -> None:
         """Answers job.done whatever happens, so no handoff waits forever."""
         request_id = job.request_id
+        self._awaiting_kv.discard(request_id)
+        self._cores.decode_state(computing=True, awaiting=bool(self._awaiting_kv))
         unusable = self._unusable_pages(request_id)
         if unusable is not None:
             job.done(unusable)
@@ -266,6 +276,7 @@ class DecodeEngine:
 
     def _on_begin(self, command: Begin) -> None:
         seq = command.seq
+        self._awaiting_kv.discard(seq.request_id)
         unusable = self._unusable_pages(seq.request_id)
         if unusable is not None:
             if unusable.reason == "RESERVATION_LOST":  # released while in flight: nothing held
@@ -290,6 +301,7 @@ class DecodeEngine:
         self._write_failed.discard(request_id)
         self._finite.forget(request_id)
         self._running.pop(request_id, None)
+        self._awaiting_kv.discard(request_id)
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
         self.pool.release(request_id)
         self._admit_waiting()

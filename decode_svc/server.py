@@ -22,6 +22,7 @@ from common.server.tenants import TenantTokens
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
 from common.server.loopback import is_loopback_host, is_loopback_target
+from common.server.core_borrowing import CoreBorrowing
 from common.server.runtime import Runtime, build_runtime, warm_up
 from common.server.stats import StatsServicer
 from common.server.tls_diagnosis import DialSide, diagnose
@@ -194,7 +195,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     content = ContentCheckConfig(config.content_checks, config.verify_depth_positions,
                                  config.verify_full_fraction)
     engine = engine_class(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
-                          log, counters, content)
+                          log, counters, content, CoreBorrowing(runtime.cores, counters))
     policy = HandoffPolicy(config.allow_protocol_1_0, content)
     if config.allow_protocol_1_0:
         log.warning("protocol_1_0_allowed", message="decode accepts prefills that speak protocol "

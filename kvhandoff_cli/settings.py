@@ -64,6 +64,10 @@ SERVICE_HELP = {
     "torch_threads": "torch intra-op threads (0: one per CPU of --cpu-affinity, else torch's "
                      "default)",
     "cpu_affinity": "CPUs the service runs on, e.g. 0-3,6 (empty: the ones it was started with)",
+    "borrow_cpus": "the peer service's CPUs this one also computes on while the peer idles, "
+                   "e.g. 0 (needs --cpu-affinity and --busy-file; kvhandoff up sets both)",
+    "busy_file": "lock file shared by a prefill and a decode on one host: decode holds it while "
+                 "it computes, prefill borrows decode's CPUs only when it is free",
 }
 ROLE_HELP = {
     "shm_dir": "directory of the shared-memory regions (a tmpfs both services see)",
@@ -149,7 +153,8 @@ CHOICES = {"dtype": ("auto", "float32", "float16", "bfloat16"),
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # (a, b): a is set only together with b.
 REQUIRES = [("tls_key", "tls_cert"), ("tls_cert", "tls_key"), ("tls_ca", "tls_cert"),
-            ("api_tls_key", "api_tls_cert"), ("api_tls_cert", "api_tls_key")]
+            ("api_tls_key", "api_tls_cert"), ("api_tls_cert", "api_tls_key"),
+            ("borrow_cpus", "busy_file"), ("borrow_cpus", "cpu_affinity")]
 FILE_FIELDS = ("tls_cert", "tls_key", "tls_ca", "api_tls_cert", "api_tls_key")
 TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -358,11 +363,12 @@ def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None
                             f"got {value!r}")
         if name in FILE_FIELDS and value and not Path(str(value)).is_file():
             problems.append(f"{label(name)}: {name} file {value!r} does not exist")
-    if values.get("cpu_affinity"):
-        try:
-            check_cpu_affinity(str(values["cpu_affinity"]))
-        except CpuListError as err:
-            problems.append(f"{label('cpu_affinity')}: {err}")
+    for name in ("cpu_affinity", "borrow_cpus"):
+        if values.get(name):
+            try:
+                check_cpu_affinity(str(values[name]))
+            except CpuListError as err:
+                problems.append(f"{label(name)}: {err}")
     if values.get("prefill_target"):
         try:
             parse_target(str(values["prefill_target"]))

@@ -159,6 +159,10 @@ def parser() -> argparse.ArgumentParser:
                    help="give prefill and decode each its own share of the CPUs up may use "
                         "(prefill the lower half, decode the rest); --no-cpu-split: both use "
                         "all of them with torch's default threads")
+    p.add_argument("--core-borrowing", action=argparse.BooleanOptionalAction, default=False,
+                   help="with split CPUs, each service also computes on the other's CPUs while "
+                        "the other idles (decode while no handoff is in flight, prefill while "
+                        "decode has nothing running)")
     p.add_argument("--prefill-cpus", default="", metavar="LIST",
                    help="prefill's CPUs, e.g. 0-3 (empty: from --cpu-split)")
     p.add_argument("--decode-cpus", default="", metavar="LIST",
@@ -207,12 +211,35 @@ def _placement_flags(threads: int, cpus: tuple[int, ...]) -> list[str]:
     return ["--torch-threads", str(threads), "--cpu-affinity", format_cpu_list(cpus)]
 
 
-def _placement_line(placement: dict[str, tuple[int, tuple[int, ...]]]) -> str:
+PEER = {"prefill": "decode", "decode": "prefill"}
+BORROW_WHEN = {"prefill": "while decode idles", "decode": "while no handoff is in flight"}
+
+
+def borrowed_cpus(placement: dict[str, tuple[int, tuple[int, ...]]], role: str,
+                  enabled: bool) -> tuple[int, ...]:
+    """The peer's CPUs role may borrow (common/server/core_borrowing.py): none unless enabled
+    and both services are pinned; never its own."""
+    own, peer = placement[role][1], placement[PEER[role]][1]
+    if not enabled or not own or not peer:
+        return ()
+    return tuple(c for c in peer if c not in own)
+
+
+def _borrow_flags(cpus: tuple[int, ...], busy_file: Path) -> list[str]:
+    return ["--borrow-cpus", format_cpu_list(cpus), "--busy-file", str(busy_file)] if cpus else []
+
+
+def _placement_line(placement: dict[str, tuple[int, tuple[int, ...]]],
+                    borrowing: dict[str, tuple[int, ...]]) -> str:
     def one(role: str) -> str:
         threads, cpus = placement[role]
         where = f"CPUs {format_cpu_list(cpus)}" if cpus else "all CPUs"
-        return f"{role} {where}, " + (f"{threads} torch threads" if threads
+        line = f"{role} {where}, " + (f"{threads} torch threads" if threads
                                       else "torch's default threads")
+        if borrowing[role]:
+            line += (f" (+{len(borrowing[role])} on CPUs {format_cpu_list(borrowing[role])} "
+                     f"{BORROW_WHEN[role]})")
+        return line
     return f"{one('prefill')}; {one('decode')}"
 
 
@@ -303,7 +330,10 @@ def up(argv: list[str]) -> int:
     if args.api_tokens:  # else decode has no file to reload: SIGHUP keeps its default
         signal.signal(signal.SIGHUP, reload_tokens)
     signal.signal(signal.SIGINT, stop)
+    borrowing = {role: borrowed_cpus(placement, role, args.core_borrowing)
+                 for role in ("prefill", "decode")}
     with tempfile.TemporaryDirectory() as tmp:
+        busy_file = Path(tmp) / "decode.busy"
         try:
             services.append(launch(
                 "prefill", [*cli, "prefill", *common, "--port", str(args.prefill_port),
@@ -311,6 +341,7 @@ def up(argv: list[str]) -> int:
                             str(prefill_metrics), *_chunk_flag(args.prefill_chunk_tokens),
                             "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
                             *_placement_flags(*placement["prefill"]),
+                            *_borrow_flags(borrowing["prefill"], busy_file),
                             *shlex.split(args.prefill_args)],
                 Path(tmp) / "prefill.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("prefill")))
@@ -324,6 +355,7 @@ def up(argv: list[str]) -> int:
                            *(["--api-tokens", str(args.api_tokens.resolve())]
                              if args.api_tokens else []),
                            *_placement_flags(*placement["decode"]),
+                           *_borrow_flags(borrowing["decode"], busy_file),
                            *shlex.split(args.decode_args)],
                 Path(tmp) / "decode.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("decode")))
@@ -338,7 +370,7 @@ def up(argv: list[str]) -> int:
                   f"max prompt {limit} tokens; prefill pool {_pool_line(prefill_address)}, "
                   f"decode pool {_pool_line(address, bearer)}; data plane "
                   f"{_plane_line(prefill_address, args.data_plane)}; "
-                  f"{_placement_line(placement)}; {_metrics_line(args.host, children)}"
+                  f"{_placement_line(placement, borrowing)}; {_metrics_line(args.host, children)}"
                   f"{_http_line(args.host, children)}"
                   + (f"; {DEMO_NOTE}" if args.model == "demo" else ""), flush=True)
             decode_ready = True

@@ -19,6 +19,7 @@ from common.pb.kvhandoff.v1 import handoff_pb2, stats_pb2, stats_pb2_grpc
 from common.server.grpc_server import (TlsFiles, create_server, run_async, serve_until_signalled,
                                        set_serving)
 from common.server.loopback import is_loopback_host
+from common.server.core_borrowing import CoreBorrowing
 from common.server.runtime import build_runtime, warm_up
 from common.server.stats import StatsServicer
 from prefill_svc.engine import PrefillEngine
@@ -63,7 +64,8 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
                              gauges=cache_gauges(cache))
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout, config.max_batch_tokens,
                            log, counters, SendBudget(config.max_unsent_bytes), metrics,
-                           prefill_chunk_tokens=config.prefill_chunk_tokens, prefix_cache=cache)
+                           prefill_chunk_tokens=config.prefill_chunk_tokens, prefix_cache=cache,
+                           cores=CoreBorrowing(runtime.cores, counters))
     planes = plane_offer(config, log)
     limits = PrefillLimits(
         vocab_size=runtime.loaded.config.vocab_size, context_window=runtime.capacity.context_window,

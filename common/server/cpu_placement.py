@@ -64,21 +64,33 @@ def split_cores(cpus: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]
     return tuple(cpus[:half]), tuple(cpus[half:])
 
 
-def apply_cpu_placement(torch_threads: int, cpu_affinity: str) -> tuple[int, tuple[int, ...]]:
-    """Pins every thread of this process to cpu_affinity (empty: left as it is) and sets torch's
-    intra-op threads to torch_threads (0: one per CPU of the affinity when one is given, else
-    torch's default). Call before the model runs, so that the threads torch starts later
-    inherit the mask. Returns (torch threads, CPUs) now in force."""
+def borrowable_cpus(cpu_affinity: str, borrow_cpus: str) -> tuple[int, ...]:
+    """The CPUs of borrow_cpus that are not already the service's own (cpu_affinity)."""
+    if not borrow_cpus:
+        return ()
+    own = set(check_cpu_affinity(cpu_affinity)) if cpu_affinity else set()
+    return tuple(c for c in check_cpu_affinity(borrow_cpus) if c not in own)
+
+
+def apply_cpu_placement(torch_threads: int, cpu_affinity: str,
+                        borrow_cpus: str = "") -> tuple[int, tuple[int, ...]]:
+    """Pins every thread of this process to cpu_affinity plus borrow_cpus (empty: left as it
+    is) and sets torch's intra-op threads to torch_threads (0: one per CPU of the affinity when
+    one is given, else torch's default); the borrowed CPUs add no thread here (the engine adds
+    them while its peer idles: common/server/core_borrowing.py). Call before the model runs, so
+    that the threads torch starts later inherit the mask. Returns (torch threads, CPUs) now in
+    force."""
     import torch
 
     if cpu_affinity:
-        cpus = check_cpu_affinity(cpu_affinity)
+        own = check_cpu_affinity(cpu_affinity)
+        cpus = tuple(sorted(set(own) | set(borrowable_cpus(cpu_affinity, borrow_cpus))))
         for task in Path("/proc/self/task").iterdir():
             try:
                 os.sched_setaffinity(int(task.name), cpus)
             except ProcessLookupError:  # the thread ended meanwhile
                 continue
-        torch_threads = torch_threads or len(cpus)
+        torch_threads = torch_threads or len(own)
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)
     return torch.get_num_threads(), allowed_cpus()

@@ -15,7 +15,8 @@ from common.model.loaded import LoadedModel
 from common.model.loader import load_model
 from common.model.protocol import CausalLM
 from common.model.registry import build_model
-from common.server.cpu_placement import apply_cpu_placement, format_cpu_list
+from common.server.core_borrowing import CoreBorrowingConfig
+from common.server.cpu_placement import apply_cpu_placement, borrowable_cpus, format_cpu_list
 from common.ops.select import make_ops, resolve_backend, triton_is_interpreted
 
 
@@ -27,6 +28,7 @@ class Runtime:
     capacity: Capacity
     layout: KvLayout
     kernels: str
+    cores: CoreBorrowingConfig  # torch threads of the engine, and what it may borrow
 
 
 def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runtime:
@@ -39,8 +41,12 @@ def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runti
     which chunked prefill makes a bound whatever the prompt length); the activation peak is
     measured at that many. 0: PROFILE_TOKENS (decode, whose local prefill runs whole
     prompts)."""
-    threads, cpus = apply_cpu_placement(config.torch_threads, config.cpu_affinity)
-    log.info("cpu_placement", torch_threads=threads, cpus=format_cpu_list(cpus))
+    threads, cpus = apply_cpu_placement(config.torch_threads, config.cpu_affinity,
+                                        config.borrow_cpus)
+    borrowed = borrowable_cpus(config.cpu_affinity, config.borrow_cpus)
+    cores = CoreBorrowingConfig(threads, len(borrowed), config.busy_file)
+    log.info("cpu_placement", torch_threads=threads, cpus=format_cpu_list(cpus),
+             borrowed_cpus=format_cpu_list(borrowed) if cores.enabled else "")
     device = config.torch_device()
     dtype = config.torch_dtype()
     kernels = resolve_backend(config.kernels, device)
@@ -69,7 +75,7 @@ def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runti
     log.info("runtime_ready", model=loaded.source, fingerprint=loaded.fingerprint,
              device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
              **capacity.describe())
-    return Runtime(loaded, model, pool, capacity, layout, kernels)
+    return Runtime(loaded, model, pool, capacity, layout, kernels, cores)
 
 
 PROFILE_TOKENS = 8192

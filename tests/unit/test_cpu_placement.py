@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -60,8 +61,23 @@ def test_up_splits_the_cores_by_default_and_passes_explicit_ones_on(monkeypatch)
                                                              "decode": (3, (1, 2, 3))}
     assert _up_placement(monkeypatch, (0, 1), "--no-cpu-split") == {"prefill": (0, ()),
                                                                     "decode": (0, ())}
-    line = up._placement_line({"prefill": (1, (0,)), "decode": (0, ())})
+    unpinned = {"prefill": (1, (0,)), "decode": (0, ())}
+    none = {"prefill": (), "decode": ()}
+    line = up._placement_line(unpinned, none)
     assert line == "prefill CPUs 0, 1 torch threads; decode all CPUs, torch's default threads"
+
+
+def test_up_lends_each_service_the_other_ones_cores_only_when_both_are_pinned():
+    split = {"prefill": (1, (0,)), "decode": (2, (1, 2))}
+    assert up.borrowed_cpus(split, "prefill", True) == (1, 2)
+    assert up.borrowed_cpus(split, "decode", True) == (0,)
+    assert up.borrowed_cpus(split, "decode", False) == ()
+    assert up.borrowed_cpus({"prefill": (1, (0,)), "decode": (1, (0,))}, "decode", True) == ()
+    assert up.borrowed_cpus({"prefill": (1, (0,)), "decode": (0, ())}, "prefill", True) == ()
+    line = up._placement_line(split, {"prefill": (1, 2), "decode": (0,)})
+    assert line == ("prefill CPUs 0, 1 torch threads (+2 on CPUs 1-2 while decode idles); "
+                    "decode CPUs 1-2, 2 torch threads (+1 on CPUs 0 while no handoff is in "
+                    "flight)")
 
 
 def test_up_refuses_a_list_it_cannot_use_naming_the_flag(monkeypatch):
@@ -112,6 +128,15 @@ def test_bench_places_its_services_as_up_does(monkeypatch):
         "--cpu-affinity", "0-2", "--torch-threads", "3"]
     assert placement_flags("decode", "local", 2, False) == ["--torch-threads", "2"]
     assert placement_flags("decode", "local", 0, False) == []
+    busy = Path("/run/x/decode.busy")
+    assert placement_flags("prefill", "disaggregated", 0, True, busy) == [
+        "--cpu-affinity", "0", "--torch-threads", "1", "--borrow-cpus", "1-2",
+        "--busy-file", str(busy)]
+    assert placement_flags("decode", "disaggregated", 0, True, busy) == [
+        "--cpu-affinity", "1-2", "--torch-threads", "2", "--borrow-cpus", "0",
+        "--busy-file", str(busy)]
+    assert placement_flags("decode", "local", 0, True, busy) == [
+        "--cpu-affinity", "0-2", "--torch-threads", "3"]
 
 
 PROBE = """
