@@ -6,6 +6,8 @@
 #   bash bench/vs_vllm.sh                 # everything: checkpoint, ours, vLLM, the table
 #   VLLM_PID=1234 VLLM_PORT=8000 bash bench/vs_vllm.sh   # a vLLM already serving $CKPT
 #   MODES= bash bench/vs_vllm.sh          # vLLM only (and the table of what $OUT holds)
+#   DTYPE=bfloat16 bash bench/vs_vllm.sh  # both systems in bf16 (CPUs with AMX/AVX512-BF16)
+#   OURS_ARGS=--core-borrowing bash bench/vs_vllm.sh   # extra `bench serve` flags for ours
 #
 # vLLM lives in its own venv ($VLLM_PY), never in ours: see the doc for how to make it.
 set -euo pipefail
@@ -19,6 +21,8 @@ LENS=${LENS:-"128 1024"}
 CLIENTS=${CLIENTS:-1,8}
 PROMPTS=${PROMPTS:-24}
 MODES=${MODES-disaggregated,local}
+DTYPE=${DTYPE:-float32}
+OURS_ARGS=${OURS_ARGS:-}
 CPUS=$(python -c "import os; from common.server.cpu_placement import format_cpu_list as f; \
 print(f(os.sched_getaffinity(0)))")
 
@@ -30,8 +34,9 @@ files=()
 if [ -n "$MODES" ]; then
   for len in $LENS; do
     echo "ours: $MODES, $len-token prompts" >&2
+    # shellcheck disable=SC2086  # OURS_ARGS is flags, split on purpose
     python -m kvhandoff_cli.main bench serve --modes "$MODES" --input-len "$len" "${common[@]}" \
-      --json "$OUT/ours-$len.json" > "$OUT/ours-$len.txt"
+      --server-args "--dtype $DTYPE" $OURS_ARGS --json "$OUT/ours-$len.json" > "$OUT/ours-$len.txt"
   done
 fi
 for len in $LENS; do [ -f "$OUT/ours-$len.json" ] && files+=("$OUT/ours-$len.json"); done
@@ -41,7 +46,7 @@ if [ -z "${VLLM_PID:-}" ]; then
   VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} \
     VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-auto} \
     "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$CKPT" --host 127.0.0.1 \
-    --port "$VLLM_PORT" --dtype float32 > "$OUT/vllm.log" 2>&1 &
+    --port "$VLLM_PORT" --dtype "$DTYPE" > "$OUT/vllm.log" 2>&1 &
   VLLM_PID=$!
   trap 'kill "$VLLM_PID" 2>/dev/null || true' EXIT
   python - "$VLLM_PORT" "$VLLM_PID" <<'EOF'
