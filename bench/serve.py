@@ -49,7 +49,7 @@ from pathlib import Path
 from bench.server_cpu import check_pids, tree_cpu_seconds
 from bench.serve_client import GrpcBackend, LengthRange, make_requests, run_load, warm_up
 from bench.serve_report import print_headline, print_table, summarize, write_plots
-from bench.servers import MODES, Variant, model_vocab_size, start_deployment
+from bench.servers import DEFAULT_MODES, MODES, Variant, model_vocab_size, start_deployment
 from common.server.grpc_server import run_async
 
 
@@ -74,7 +74,8 @@ def _ints(text: str) -> list[int]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvhandoff bench serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--modes", default=",".join(MODES), help="disaggregated and/or local")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"any of {', '.join(MODES)} (borrowing: the pair with core borrowing)")
     p.add_argument("--variant", type=_variant, action="append", default=[],
                    metavar="NAME=FLAGS[;DECODE FLAGS]",
                    help="a disaggregated pair named NAME whose prefill (and decode, after ';') "

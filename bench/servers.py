@@ -15,10 +15,12 @@ from common.server.cpu_placement import allowed_cpus, format_cpu_list, split_cor
 from common.server.launch import ServiceProcess, launch, stop_processes
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("disaggregated", "local", "cache-off", "cache-on")
-# disaggregated modes whose prefill runs with these flags (the prefix cache off and on)
+MODES = ("disaggregated", "local", "cache-off", "cache-on", "borrowing")
+DEFAULT_MODES = MODES[:4]
+# disaggregated modes whose prefill runs with these flags (the prefix cache off and on;
+# borrowing: the pair with core borrowing, whatever --core-borrowing says)
 PREFILL_FLAGS = {"disaggregated": [], "cache-off": ["--no-prefix-cache"],
-                 "cache-on": ["--prefix-cache"]}
+                 "cache-on": ["--prefix-cache"], "borrowing": []}
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,7 @@ def start_deployment(mode: str, service_flags: list[str], workdir: Path, torch_t
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     deployment = Deployment(mode, "")
-    busy_file = workdir / "decode.busy" if core_borrowing else None
+    busy_file = workdir / "decode.busy" if core_borrowing or mode == "borrowing" else None
     try:
         decode_extra = list(decode_flags)
         if mode in PREFILL_FLAGS:
