@@ -4,6 +4,10 @@ same engine in one process (decode --local-prefill), from the services' own logs
     PYTHONPATH=. python bench/ttft_trace.py --model DIR [--lengths 128,512]
                  [--planes inline,shared-memory] [--repeats 10] [--server-args "--dtype bfloat16"]
 
+With --baseline-tree DIR (another checkout: the tree before a change) each plane's pair also
+runs from DIR, named PLANE@base, side by side with this tree's, so a change is measured A/B in
+one run on the same load.
+
 One request at a time (max_tokens 1), the deployments taking turns request by request (as
 `kvhandoff bench ttft`). Per request, decode's `handoff_verified` line carries its timeline
 (ms from the request's arrival: pages reserved, Prefill call opened, first frame (the header),
@@ -27,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import servers  # noqa: E402
 from bench.servers import model_vocab_size, start_deployment  # noqa: E402
 from bench.ttft import _ttfts  # noqa: E402
 from common.server.grpc_server import run_async  # noqa: E402
@@ -60,7 +65,9 @@ def timelines(decode_log: Path, prefill_log: Path | None) -> dict[int, list[dict
             row.update(event.get("timeline_ms") or {"verified": event["seconds"] * 1e3})
             row["_arrived"] = _at(event) - row["verified"] / 1e3
         elif name == "handoff_content_verified":
-            row["checks (duration)"] = event["seconds"] * 1e3
+            row["checks after the commit (duration)"] = event["seconds"] * 1e3
+            if event.get("landed_seconds"):
+                row["checks as the KV landed (engine time)"] = event["landed_seconds"] * 1e3
         elif name == "request_finished" and event.get("first_token_ms") is not None:
             row["first token to front door"] = event["first_token_ms"]
     for event in _events(prefill_log) if prefill_log else []:
@@ -79,6 +86,17 @@ def timelines(decode_log: Path, prefill_log: Path | None) -> dict[int, list[dict
     return out
 
 
+def _start_from(tree: Path, mode: str, flags: list[str], workdir: Path, threads: int,
+                decode_flags: list[str]):
+    """start_deployment with the services run from tree (their cwd, so its modules load)."""
+    repo = servers.REPO
+    servers.REPO = tree.resolve()
+    try:
+        return start_deployment(mode, flags, workdir, threads, decode_flags)
+    finally:
+        servers.REPO = repo
+
+
 def _median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
     rows = rows[1:] if len(rows) > 1 else rows  # the warm-up round
     names = sorted({n for r in rows for n in r},
@@ -95,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--torch-threads", type=int, default=1)
     p.add_argument("--server-args", default="")
     p.add_argument("--decode-args", default="", help="extra flags for the disaggregated decodes")
+    p.add_argument("--baseline-tree", type=Path,
+                   help="another checkout whose pairs run beside this tree's (PLANE@base)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -104,13 +124,17 @@ def main(argv: list[str] | None = None) -> int:
              "--max-context-tokens", str(window), *args.server_args.split()]
     plans = [(plane, "disaggregated", ["--data-plane", plane, *args.decode_args.split()])
              for plane in planes] + [("local", "local", [])]
+    if args.baseline_tree:
+        plans += [(f"{plane}@base", "disaggregated", flags) for plane, mode, flags in plans
+                  if mode == "disaggregated"]
     with tempfile.TemporaryDirectory(prefix="kvh-ttft-trace-") as tmp:
         deployments = {}
         try:
             for name, mode, decode_flags in plans:
                 print(f"[{name}] starting services ...", file=sys.stderr, flush=True)
-                deployments[name] = start_deployment(mode, flags, Path(tmp) / name,
-                                                     args.torch_threads, decode_flags)
+                deployments[name] = _start_from(
+                    args.baseline_tree if name.endswith("@base") else servers.REPO,
+                    mode, flags, Path(tmp) / name, args.torch_threads, decode_flags)
             ttft = run_async(lambda: _ttfts({n: d.address for n, d in deployments.items()},
                                             lengths, args.repeats, model_vocab_size(args.model),
                                             lambda text: None))
@@ -134,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             for milestone, ms in r["milestones_ms"].items():
                 print(f"    {milestone:40s} {ms:8.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"benchmark": "ttft_trace", "args": vars(args) | {
-            "json": str(args.json)}, "result": result}, indent=2))
+        given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"benchmark": "ttft_trace", "args": given,
+                                         "result": result}, indent=2))
     return 0
 
 

@@ -18,8 +18,13 @@ compares every layer at every position (decode_svc/full_audit.py, SPEC.md D-49).
 
 Differences are measured as max |received - recomputed| / rms(recomputed), per layer; the
 tolerances per dtype are in SPEC.md section 7.4, with the measurements that justify them.
+Checks 2 and 3 normally run layer by layer while the KV lands (decode_svc/content_pipeline.py,
+the same computation, measured as each layer arrives); `check_content` then only judges what
+they measured, in the order above, or runs them here in full when they did not see every layer.
+
 Invariants: reads and writes only the request's own pages, and only slots its handoff covered;
-the depth step overwrites the sampled slots with decode's own values (equal within tolerance).
+the depth step run here overwrites the sampled slots with decode's own values (equal within
+tolerance); run as the KV lands, it puts prefill's values back.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from common.handoff.reasons import HandoffRefused, refuse
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
+from decode_svc.content_pipeline import ContentPipeline
 from decode_svc.full_audit import FullAudit
 from decode_svc.kv_difference import relative_error
 
@@ -69,7 +75,8 @@ class ContentVerdict:
     layer0_error: float
     depth_error: float
     positions: tuple[int, ...]
-    seconds: float
+    seconds: float  # after the commit (the whole checks, unless they ran as the KV landed)
+    landed_seconds: float = 0.0  # the engine time of the checks run as the KV landed
 
 
 class FiniteTracker:
@@ -100,10 +107,16 @@ class FiniteTracker:
 
 def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: list[int],
                   sampling: SamplingConfig, config: ContentCheckConfig,
-                  rng: random.Random, audit: FullAudit | None = None) -> ContentVerdict:
+                  rng: random.Random, audit: FullAudit | None = None,
+                  prepared: ContentPipeline | None = None) -> ContentVerdict:
     """Runs checks 2-4 on a request whose handoff is fully written into its pages, and the
     full audit when audit draws it; returns the verdict or raises HandoffRefused
-    (KV_LAYER0_MISMATCH, KV_DEPTH_MISMATCH)."""
+    (KV_LAYER0_MISMATCH, KV_DEPTH_MISMATCH). prepared: the same checks already run layer by
+    layer as the KV landed (decode_svc.content_pipeline); used only when it is this request's
+    and complete, else the checks run here in full."""
+    if (prepared is not None and prepared.complete and prepared.request_id == request_id
+            and prepared.token_ids == token_ids):
+        return _judge_prepared(model, pool, request_id, sampling, prepared, audit)
     started = time.perf_counter()
     tolerance = TOLERANCES[pool.k.dtype]
     device = model.device
@@ -128,6 +141,35 @@ def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: l
     first = sample_batch(logits[:1], [sampling], [0])[0]
     return ContentVerdict(first, layer0, depth, tuple(positions),
                           time.perf_counter() - started)
+
+
+def _judge_prepared(model: LlamaModel, pool: KvPool, request_id: str, sampling: SamplingConfig,
+                    prepared: ContentPipeline, audit: FullAudit | None) -> ContentVerdict:
+    """The verdict of checks 2-4 measured as the KV landed, in the order check_content gives
+    them (layer 0, the audit when drawn, depth, the first token)."""
+    started = time.perf_counter()
+    tolerance = TOLERANCES[pool.k.dtype]
+    layer0 = prepared.layer0_error
+    if not layer0 <= tolerance.layer0:
+        raise refuse("KV_LAYER0_MISMATCH", f"layer 0 K/V differ from decode's own computation "
+                     f"of the prompt by {layer0:.3g} (tolerance {tolerance.layer0:g}): the KV "
+                     "is not the KV of the prompt decode sent")
+    if audit is not None and audit.drawn():
+        table = torch.tensor(pool.allocator.page_table(request_id), dtype=torch.int32,
+                             device=model.device)
+        ids = torch.tensor(prepared.token_ids, dtype=torch.int64, device=model.device)
+        audit.check(model, pool, request_id, table, ids, tolerance.depth)
+    errors = prepared.depth_errors()
+    layer = max(range(len(errors)), key=errors.__getitem__)
+    depth = errors[layer]
+    if not depth <= tolerance.depth:
+        raise refuse("KV_DEPTH_MISMATCH", f"recomputing prompt positions {prepared.positions} "
+                     f"through every layer over the received KV gives layer {layer} K/V that "
+                     f"differ by {depth:.3g} from what prefill sent (tolerance "
+                     f"{tolerance.depth:g})")
+    first = sample_batch(prepared.logits[:1], [sampling], [0])[0]
+    return ContentVerdict(first, layer0, depth, tuple(prepared.positions),
+                          time.perf_counter() - started, prepared.seconds)
 
 
 def _layer0_error(model: LlamaModel, pool: KvPool, table: torch.Tensor,

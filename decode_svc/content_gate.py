@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from decode_svc.content_check import ContentVerdict
+from decode_svc.content_pipeline import ContentPipeline
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
 from decode_svc.handoff import HandoffPolicy
@@ -32,9 +33,11 @@ class ContentGate:
         self.engine = engine
         self.policy = policy
 
-    async def check(self, landed: LandedKv, job: HandoffJob, log) -> LandedKv:
+    async def check(self, landed: LandedKv, job: HandoffJob, log,
+                    prepared: ContentPipeline | None = None) -> LandedKv:
         """landed, checked: content_checked set and first_token decode's own (raises
-        HandoffRefused otherwise). Prefill's first_token_id is only compared."""
+        HandoffRefused otherwise). Prefill's first_token_id is only compared. prepared: the
+        attempt's checks run as its KV landed (the engine judges them, or checks in full)."""
         if landed.own_kv or landed.content_checked:
             return landed
         counters = self.engine.counters
@@ -44,11 +47,13 @@ class ContentGate:
             return dataclasses.replace(landed, content_checked=True)
         request_id, token_ids = job.request.request_id, list(job.request.token_ids)
         verdict: ContentVerdict = await engine_answer(
-            lambda done: self.engine.verify(request_id, token_ids, job.sampling, done))
+            lambda done: self.engine.verify(request_id, token_ids, job.sampling, done,
+                                            prepared))
         log.info("handoff_content_verified", prompt_tokens=len(token_ids),
                  layer0_error=round(verdict.layer0_error, 8),
                  depth_error=round(verdict.depth_error, 8), positions=list(verdict.positions),
-                 seconds=round(verdict.seconds, 5))
+                 seconds=round(verdict.seconds, 5),
+                 landed_seconds=round(verdict.landed_seconds, 5))
         if verdict.first_token_id != landed.advisory_first_token:
             counters.add("first_token_disagreements")
             log.warning("first_token_disagrees", prefill_first_token=landed.advisory_first_token,

@@ -110,10 +110,11 @@ class DecodeEngine:
         self.submit(AfterWrites(then))
 
     def verify(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
-               done) -> None:
+               done, prepared=None) -> None:
         """After every write of the request's handoff: checks the KV content in its pages
-        (content_check); done(ContentVerdict) or done(HandoffRefused / ServiceError)."""
-        self.submit(Verify(request_id, token_ids, sampling, done))
+        (content_check; prepared: its ContentPipeline, the checks run as the KV landed);
+        done(ContentVerdict) or done(HandoffRefused / ServiceError)."""
+        self.submit(Verify(request_id, token_ids, sampling, done, prepared))
 
     def begin(self, seq: Sequence) -> None:
         """The handoff of seq was verified and its writes queued: join the running batch."""
@@ -266,7 +267,8 @@ class DecodeEngine:
             return
         try:
             job.done(check_content(self.model, self.pool, request_id, job.token_ids,
-                                   job.sampling, self.content_checks, self._rng, self._audit))
+                                   job.sampling, self.content_checks, self._rng, self._audit,
+                                   job.prepared))
         except ServiceError as err:
             job.done(err)
         except Exception as exc:  # a check that cannot run refuses: fail closed

@@ -81,6 +81,8 @@ class Verify:
     token_ids: list[int]
     sampling: SamplingConfig
     done: Callable[[object], None]
+    # decode_svc.content_pipeline.ContentPipeline: the checks already run as the KV landed
+    prepared: object | None = None
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ async def receive_handoff(client: PrefillClient | PrefillReplicas, engine: Decod
                     deliver(chunk)
                 else:
                     write_chunk(engine, expect.request_id, chunk)
+                if record.on_chunk is not None:
+                    record.on_chunk(chunk)
                 record.bytes_landed = received
                 record.marks["last_chunk"] = time.monotonic()
         record.mark("stream_ended")  # the commit read and the call's status with it

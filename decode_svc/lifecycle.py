@@ -37,6 +37,7 @@ from common.text.stop_strings import StopStrings
 from common.tokenizer import Tokenizer
 from decode_svc.cache_scope import cache_scope
 from decode_svc.content_gate import ContentGate
+from decode_svc.content_pipeline import ContentPipeline
 from decode_svc.engine import DecodeEngine
 from decode_svc.engine_answer import engine_answer
 from decode_svc.handoff import HandoffPolicy
@@ -205,11 +206,17 @@ class RequestLifecycle:
                              cache_page_size=admitted.limits.prefill_page_size)
         timeout = (self.handoff_timeout_s if time_remaining is None
                    else min(time_remaining, self.handoff_timeout_s))
-        record = TransferRecord(request_id, self.receiver.plane)
+        content = self.policy.content
+        # the first attempt's checks run layer by layer as its KV lands (a retry's, after it)
+        pipeline = (ContentPipeline(self.engine, request_id, list(prompt.token_ids),
+                                    content.depth_positions) if content.enabled else None)
+        record = TransferRecord(request_id, self.receiver.plane,
+                                on_chunk=pipeline.on_chunk if pipeline else None)
         job = HandoffJob(handoff_request, expect, sampling, timeout,
-                         check=lambda kv, attempt: self.content.check(kv, attempt, admitted.log))
+                         check=lambda kv, attempt: self.content.check(
+                             kv, attempt, admitted.log, pipeline if attempt is job else None))
         landed = await self.content.check(await self.receiver.receive(job, record), job,
-                                          admitted.log)  # a no-op when an attempt ran it
+                                          admitted.log, pipeline)  # no-op if an attempt ran it
         handed = time.monotonic()
         admitted.log.info("prefilled_locally" if landed.own_kv else "handoff_verified",
                           prompt_tokens=len(prompt.token_ids), bytes=landed.payload_bytes,

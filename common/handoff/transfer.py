@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -49,6 +50,9 @@ class TransferRecord:
     # time.monotonic() of the receiver's milestones (call opened, header, first and last
     # chunk, commit), first time each is reached: for the handoff's timeline in decode's log
     marks: dict[str, float] = field(default_factory=dict)
+    # decode: called with each verified chunk once its bytes are landed or queued for the
+    # pages (the content checks run layer by layer as the KV lands); None: nobody listens
+    on_chunk: Callable[[object], None] | None = field(default=None, repr=False, compare=False)
 
     def mark(self, name: str) -> None:
         self.marks.setdefault(name, time.monotonic())
