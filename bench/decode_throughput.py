@@ -1,6 +1,7 @@
 """`kvhandoff bench decode`: decode tokens/s of the in-process engine at several batch sizes.
 
-    kvhandoff bench decode [--batches 1,8,32] [--prompt-len 128] [--new-tokens 64] [--json OUT]
+    kvhandoff bench decode [--batches 1,8,32] [--prompt-len 128] [--new-tokens 64]
+                           [--dtype auto|float32|bfloat16] [--json OUT]
 
 For each batch size B: B prompts are prefilled (the local-prefill engine, into the pool), then
 all join the running batch at once and decode --new-tokens each; tokens/s counts the tokens of
@@ -94,6 +95,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model", default="demo", help="'demo' or a checkpoint directory")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--kernels", default="auto", help="auto, triton, cpu or torch")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "float16", "bfloat16"),
+                   help="auto: bfloat16 on CUDA, float32 on the CPU (the services' default)")
     p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
@@ -102,6 +105,7 @@ def main(argv: list[str]) -> int:
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     per_seq = args.prompt_len + args.new_tokens
     config = ServiceConfig(model=args.model, device=args.device, kernels=args.kernels,
+                           dtype=args.dtype,
                            pool_tokens=max(batches) * (per_seq + 16) + 64,
                            max_context_tokens=per_seq, allow_context_beyond_pool=True)
     log = make_logger("decode", stream=io.StringIO())
@@ -125,6 +129,7 @@ def main(argv: list[str]) -> int:
         engine.stop()
     base = rows[0]["tokens_per_s"]
     print(f"model {args.model} on {runtime.model.device} ({runtime.kernels} kernels, "
+          f"{str(runtime.model.dtype).removeprefix('torch.')}, "
           f"{torch.get_num_threads()} torch threads); prompt {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens per sequence")
     print(f"{'batch':>6} {'tokens/s':>10} {'ms/step':>9} {'CPU ms/step':>12} "
@@ -134,6 +139,7 @@ def main(argv: list[str]) -> int:
               f"{r['cpu_ms_per_step']:>12.2f} {r['tokens_per_s'] / base:>10.2f}x")
     if args.json:
         args.json.write_text(json.dumps({"benchmark": "decode_throughput", "model": args.model,
+                                         "dtype": str(runtime.model.dtype).removeprefix("torch."),
                                          "prompt_len": args.prompt_len,
                                          "new_tokens": args.new_tokens, "rows": rows}, indent=2))
     return 0
