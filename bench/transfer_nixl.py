@@ -1,11 +1,13 @@
-"""The NIXL rows of `kvhandoff bench transfer`: the services' handoff over the NIXL plane
-(decode READs each chunk from prefill's agent straight into its pages, checks CRC-32C and
+"""The NIXL rows of `kvhandoff bench transfer`: the services' handoff over the NIXL plane (decode
+READs each chunk straight from prefill's KV pages into its own, SPEC P-68, checks CRC-32C and
 finiteness in one pass, verifies) and bare NIXL (the same bytes, decode-side READs in 4 MiB
 pieces, crc32c checked on decode's copy), interleaved per repeat, after the other transports of
-the same run. `python -m bench.transfer_nixl` runs these rows alone, and can add, interleaved
-in the same repeats, "nixl-two-pass" (the verifier's CRC pass, then the engine's finiteness
-pass) and "nixl-staging" (READs into a staging buffer, then the engine's writes: the GPU pool's
-path, and every pool's before issue 24).
+the same run. `python -m bench.transfer_nixl` runs these rows alone, and can add, interleaved in
+the same repeats, "nixl-two-pass" (the verifier's CRC pass, then the engine's finiteness pass),
+"nixl-staging" (READs into a staging buffer, then the engine's writes: the GPU pool's path, and
+every pool's before issue 24) and "nixl-packed" (prefill packs each handoff into a registered
+buffer of its own, P-66: a second synthetic prefill with the page source off; the fallback path,
+and every handoff's before P-68).
 
 Rows: "nixl" (ratio against "bare-nixl") and "bare-nixl" (ratio against raw TCP of the same
 run; nan when run alone). UCX is confined to loopback (UCX_NET_DEVICES=lo, UCX_TLS=sm,tcp,self)
@@ -97,10 +99,13 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, results, stats,
-                   default_repeats, prefill_pid, two_pass=False, staging=False):
+                   default_repeats, prefill_pid, two_pass=False, staging=False, packed=None):
+    """packed: (grpc port, pid) of the packed-path prefill, for the "nixl-packed" row."""
     from bench.transfer_services import DecodeSide
+    from decode_svc.prefill_client import PrefillClient
 
     meter = CpuMeter(prefill_pid)
+    meters = {}
 
     agent, why = open_agent("bench-decode")
     if agent is None:
@@ -116,6 +121,10 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
     if staging:  # the path before READs landed in the pages (a GPU pool's path)
         receivers["nixl-staging"] = NixlReceiver(side.client, side.engine, agent,
                                                  read_timeout_s=60.0, into_pages=False)
+    if packed is not None:  # the same decode, against the prefill that packs
+        client = PrefillClient(f"127.0.0.1:{packed[0]}", DEFAULT_MAX_CHUNK_BYTES, None)
+        receivers["nixl-packed"] = NixlReceiver(client, side.engine, agent, read_timeout_s=60.0)
+        meters["nixl-packed"] = CpuMeter(packed[1])
     sock = socket.create_connection(("127.0.0.1", bare_port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     own = np.empty(max(sizes) + layout.kv_bytes_per_token, dtype=np.uint8)  # decode's buffer
@@ -130,13 +139,14 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
             cpu: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
             for rep in range(reps + 1):  # the first of each is a warm-up
                 for name, each in receivers.items():
-                    before = meter.cpu()
+                    clock = meters.get(name, meter)
+                    before = clock.cpu()
                     seconds, got = await _handoff(side, each, layout, tokens)
                     if got != nbytes:
                         raise RuntimeError(f"{name} moved {got} bytes, expected {nbytes}")
                     if rep:
                         times[name].append(seconds)
-                        cpu[name].append(meter.since(before))
+                        cpu[name].append(clock.since(before))
                 before = meter.cpu()
                 bare = await bare_read(agent, sock, nbytes, own, peers)
                 if rep:
@@ -159,42 +169,66 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
     return ""
 
 
+def _serve_packed(spec: SyntheticSpec, conn) -> None:
+    """The synthetic prefill with its NIXL handoffs packed (the page source off, P-66)."""
+    from prefill_svc.servicer import HandoffServicer
+
+    HandoffServicer._nixl_source = lambda self: False  # this spawned helper only
+    serve_in_process(spec, conn)
+
+
+def _start_helper(ctx, target, spec: SyntheticSpec):
+    parent, child = ctx.Pipe()
+    helper = ctx.Process(target=target, args=(spec, child), daemon=True)
+    helper.start()
+    if not parent.poll(300):
+        raise RuntimeError("the NIXL synthetic prefill did not start within 300 s")
+    return helper, parent, parent.recv()
+
+
+def _stop_helper(helper, parent) -> None:
+    parent.send("stop")
+    helper.join(30)
+    if helper.is_alive():
+        helper.kill()
+
+
 def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: list[dict],
                   torch_threads: int, progress, two_pass: bool = False,
-                  staging: bool = False) -> None:
+                  staging: bool = False, packed: bool = False) -> None:
     """Appends the "nixl" and "bare-nixl" rows to each size's transports (see the module);
     two_pass: also "nixl-two-pass" (the checks in two passes, as before the one-pass check);
-    staging: also "nixl-staging" (READs into a staging buffer, then the engine's writes)."""
+    staging: also "nixl-staging" (READs into a staging buffer, then the engine's writes);
+    packed: also "nixl-packed" (prefill packs into a registered buffer: P-66)."""
     from bench.transfer import _stats, default_repeats
     from common.server.grpc_server import run_async
 
     for key, value in LOOPBACK_UCX.items():
         os.environ.setdefault(key, value)
     pool_tokens = max(r["tokens"] for r in results)
-    pool_tokens = -(-pool_tokens // PAGE_SIZE) * PAGE_SIZE
+    # twice the largest handoff: the page lease's default cap is half the pool (P-68)
+    pool_tokens = 2 * -(-pool_tokens // PAGE_SIZE) * PAGE_SIZE
+    spec = SyntheticSpec(layout, pool_tokens, torch_threads)
     ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    helper = ctx.Process(target=serve_in_process,
-                         args=(SyntheticSpec(layout, pool_tokens, torch_threads), child),
-                         daemon=True)
-    helper.start()
+    helper, parent, answer = _start_helper(ctx, serve_in_process, spec)
+    second = None
     try:
-        if not parent.poll(300):
-            raise RuntimeError("the NIXL synthetic prefill did not start within 300 s")
-        answer = parent.recv()
         if isinstance(answer, str):
             print(f"[transfer] no NIXL rows: {answer}", file=sys.stderr)
             return
+        other = None
+        if packed:
+            second = _start_helper(ctx, _serve_packed, spec)
+            other = (second[2][0], second[0].pid)
         why = run_async(lambda: _measure(layout, [r["size_bytes"] for r in results], repeats,
                                          *answer, progress, results, _stats, default_repeats,
-                                         helper.pid, two_pass, staging))
+                                         helper.pid, two_pass, staging, other))
         if why:
             print(f"[transfer] no NIXL rows: {why}", file=sys.stderr)
     finally:
-        parent.send("stop")
-        helper.join(30)
-        if helper.is_alive():
-            helper.kill()
+        _stop_helper(helper, parent)
+        if second is not None:
+            _stop_helper(second[0], second[1])
 
 
 def main(argv: list[str]) -> int:
@@ -212,12 +246,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeats", type=int, default=0, help="timed runs per size (0: by size)")
     p.add_argument("--two-pass", action="store_true", help="add the nixl-two-pass row")
     p.add_argument("--staging", action="store_true", help="add the nixl-staging row")
+    p.add_argument("--packed", action="store_true",
+                   help="add the nixl-packed row (prefill packs into a buffer: P-66)")
     args = p.parse_args(argv)
     layout = KvLayout(32, 8, 128, torch.bfloat16)  # bench transfer's default (8B-shaped)
     results = [{"size_bytes": size, "tokens": size // layout.kv_bytes_per_token,
                 "transports": []} for size in map(parse_size, args.sizes.split(","))]
     add_nixl_rows(layout, [r["size_bytes"] for r in results], args.repeats, results, 1,
-                  lambda _: None, args.two_pass, args.staging)
+                  lambda _: None, args.two_pass, args.staging, args.packed)
     print(f"{'size':>9} {'row':>14} {'GB/s median':>12} {'ratio':>6} {'vs':>10} "
           f"{'CPU s/GB decode':>16} {'prefill':>8}")
     for r in results:

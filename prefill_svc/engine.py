@@ -9,10 +9,11 @@ that covers every (layer, token) once); the commit follows the last chunk, its f
 sampled from the last chunk's logits.
 
 Invariants: a job's pages for its whole prompt are allocated at admission, before its first
-pass, and freed after its commit or abort, whatever happens; a cancelled job gets no more
-frames; compute never runs on the event loop (servicers only call `submit`). Frames leave this
-thread already serialized (the protobuf encoding of a PrefillResponse, crc32c included), so
-the event loop only hands bytes to gRPC.
+pass, and freed after its commit or abort, whatever happens (or, when its sender's frames name
+the pages themselves, held by the sender's owner until the sender returns them); a cancelled
+job gets no more frames; compute never runs on the event loop (servicers only call `submit`).
+Frames leave this thread already serialized (the protobuf encoding of a PrefillResponse, crc32c
+included), so the event loop only hands bytes to gRPC.
 """
 
 from __future__ import annotations
@@ -77,6 +78,13 @@ class _PassCancelled(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _ReturnPages:
+    """An inbox item: the pages of a sender's hold owner go back to the pool."""
+
+    owner: str
+
+
 class PrefillEngine:
     def __init__(self, model: LlamaModel, pool: KvPool, layout: KvLayout, max_batch_tokens: int,
                  log, counters: Counters, send_budget: SendBudget, metrics=None,
@@ -97,7 +105,7 @@ class PrefillEngine:
         self.chunk_tokens = min(prefill_chunk_tokens, max_batch_tokens)  # of one job per pass
         self.log = log
         self.counters = counters
-        self._inbox: queue.Queue[PrefillJob | None] = queue.Queue()
+        self._inbox: queue.Queue[PrefillJob | _ReturnPages | None] = queue.Queue()
         self._waiting: deque[PrefillJob] = deque()
         self._jobs: list[PrefillJob] = []  # admitted (pages held), in admission order
         self._running = 0  # len(self._jobs), for other threads; written by the engine thread
@@ -112,6 +120,11 @@ class PrefillEngine:
 
     def submit(self, job: PrefillJob) -> None:
         self._inbox.put(job)
+
+    def return_pages(self, owner: str) -> None:
+        """Pages a sender held (KvSender.hold) go back to the pool, poisoned or scrubbed as
+        configured, on the engine thread before its next pass (any thread)."""
+        self._inbox.put(_ReturnPages(owner))
 
     def waiting_count(self) -> int:
         return len(self._waiting) + self._inbox.qsize()
@@ -140,8 +153,11 @@ class PrefillEngine:
                 item = self._inbox.get(block=idle or stalled, timeout=timeout)
                 if item is None:
                     return
-                self._waiting.append(item)
                 stalled = False
+                if isinstance(item, _ReturnPages):  # pages back: a waiting job may fit now
+                    self.pool.release(item.owner)
+                    continue
+                self._waiting.append(item)
                 continue  # drain the inbox before planning a pass
             except queue.Empty:
                 pass
@@ -267,10 +283,20 @@ class PrefillEngine:
             self._finish(job)
 
     def _finish(self, job: PrefillJob) -> None:
-        """job leaves the engine: its pages are freed and its stream ends."""
+        """job leaves the engine: its pages are freed (or, when its sender's frames name them,
+        held under the owner the sender names until it hands them back: `return_pages`) and
+        its stream ends."""
         self._jobs.remove(job)
         self._running = len(self._jobs)
-        self.pool.release(job.request_id)
+        owner = job.sender.hold(job.request_id)
+        try:
+            if owner is not None:
+                self.pool.allocator.rename(job.request_id, owner)
+        except Exception as exc:  # never: the owner is fresh; the pages are freed instead
+            self.log.exception("prefill_hold_failed", request_id=job.request_id, error=str(exc))
+            owner = None
+        if owner is None:
+            self.pool.release(job.request_id)
         try:
             job.emit(None)
         except Exception as exc:  # an emit that fails must not keep other jobs' pages
@@ -317,10 +343,9 @@ class PrefillEngine:
     def _emit_layer(self, job: PrefillJob, table: torch.Tensor, layer: int, token_start: int,
                     token_end: int) -> None:
         """Frames of layer's KV for tokens [token_start, token_end) of job, at most
-        job.chunk_tokens tokens each."""
+        job.chunk_tokens tokens each, split where its sender's `spans` say."""
         ops = self.model.ops
-        for start in range(token_start, token_end, job.chunk_tokens):
-            count = min(job.chunk_tokens, token_end - start)
+        for start, count in job.sender.spans(table, token_start, token_end, job.chunk_tokens):
             kv = job.sender.pack(ops, self.pool.k[layer], self.pool.v[layer], table, start,
                                  count)
             frame = job.sender.chunk(job.request_id, job.chunks_sent, layer, start, kv,

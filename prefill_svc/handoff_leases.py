@@ -1,5 +1,6 @@
-"""What prefill keeps pinned for decode after a handoff's stream: out-of-band senders whose
-bytes decode may still be reading, until decode releases them or a grace period passes.
+"""What prefill keeps pinned for decode after a handoff's stream: out-of-band senders
+(`pins_bytes`: a region, a registered buffer, or the KV pages themselves) whose bytes decode may
+still be reading, until decode releases them or a grace period passes.
 
 Keys are (request id, nonce): only the decode that asked (it alone knows the nonce) releases a
 handoff. Invariants: every sender added is released exactly once, by `release` (decode's
@@ -15,7 +16,7 @@ import asyncio
 
 from common.counters import Counters
 from common.handoff.region_pool import RegionPool
-from prefill_svc.oob_sender import OutOfBandSender
+from prefill_svc.kv_sender import KvSender
 
 DEFAULT_GRACE_S = 5.0
 
@@ -27,13 +28,13 @@ class HandoffLeases:
         self.counters = counters
         self.regions = regions if regions is not None else RegionPool()
         self._prune_timer: asyncio.TimerHandle | None = None
-        self._held: dict[tuple[str, bytes], tuple[OutOfBandSender, bool]] = {}
+        self._held: dict[tuple[str, bytes], tuple[KvSender, bool]] = {}
         self._timers: dict[tuple[str, bytes], asyncio.TimerHandle] = {}
 
     def held(self) -> int:
         return len(self._held)
 
-    def add(self, request_id: str, nonce: bytes, sender: OutOfBandSender) -> None:
+    def add(self, request_id: str, nonce: bytes, sender: KvSender) -> None:
         self._held[(request_id, bytes(nonce))] = (sender, False)
 
     def stream_ended(self, request_id: str, nonce: bytes, completed: bool) -> None:

@@ -34,6 +34,20 @@ class KvSender(abc.ABC):
     def __init__(self, request_id: str = "") -> None:
         self.record = TransferRecord(request_id, self.plane)
 
+    def spans(self, page_table: torch.Tensor, token_start: int, token_end: int,
+              chunk_tokens: int) -> list[tuple[int, int]]:
+        """The (first token, tokens) of each chunk of tokens [token_start, token_end) of one
+        layer, in order, at most chunk_tokens each (engine thread; page_table: the job's whole
+        table, [pages] int32)."""
+        return [(start, min(chunk_tokens, token_end - start))
+                for start in range(token_start, token_end, chunk_tokens)]
+
+    def hold(self, request_id: str) -> str | None:
+        """The engine is done with the job (engine thread): the owner its pages pass to, kept
+        out of the pool until the sender hands them back (its frames name those pages), or
+        None: free them now."""
+        return None
+
     def pack(self, ops, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
              token_start: int, num_tokens: int):
         """Tokens [token_start, token_start + num_tokens) of one layer's caches [P, S, Hkv, D]

@@ -33,6 +33,19 @@ from common.pb.kvhandoff.v1 import handoff_pb2
 from prefill_svc.kv_sender import KvSender
 
 
+def reference_frame(request_id: str, sequence_number: int, layer: int, token_start: int,
+                    num_tokens: int, crc: int, nonce: bytes, ref: handoff_pb2.KvRegionRef
+                    ) -> bytes:
+    """The serialized chunk frame naming its K and V by ref, with the 1.1 checksums (crc: the
+    CRC-32C of the bytes ref names, K then V)."""
+    token_end = token_start + num_tokens
+    meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
+    return frame_wire(handoff_pb2.PrefillResponse(chunk=handoff_pb2.KvChunk(
+        request_id=request_id, sequence_number=sequence_number, layer=layer,
+        token_start=token_start, token_end=token_end, crc32c=crc, nonce=nonce,
+        chunk_crc32c=chunk_checksum(crc, meta), ref=ref)))
+
+
 class OutOfBandSender(KvSender):
     pins_bytes = True
 
@@ -113,12 +126,8 @@ class OutOfBandSender(KvSender):
             crc = payload_crc32c(k, v)
             self._cursor = v_offset + length
             ref = self._reference(k_offset, v_offset, length, first)
-        token_end = token_start + num_tokens
-        meta = chunk_metadata(request_id, nonce, sequence_number, layer, token_start, token_end)
-        return frame_wire(handoff_pb2.PrefillResponse(chunk=handoff_pb2.KvChunk(
-            request_id=request_id, sequence_number=sequence_number, layer=layer,
-            token_start=token_start, token_end=token_end, crc32c=crc, nonce=nonce,
-            chunk_crc32c=chunk_checksum(crc, meta), ref=ref)))
+        return reference_frame(request_id, sequence_number, layer, token_start, num_tokens, crc,
+                               nonce, ref)
 
     def _destination(self) -> np.ndarray | None:
         if not self._opened:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -31,7 +31,9 @@ from prefill_svc.cached_commit import with_cached_tokens
 from prefill_svc.engine import PrefillEngine, PrefillJob
 from prefill_svc.handoff_leases import DEFAULT_GRACE_S, HandoffLeases
 from prefill_svc.kv_sender import InlineSender, KvSender
+from prefill_svc.nixl_pages_sender import NixlPagesSender
 from prefill_svc.nixl_sender import NixlPlane, NixlSender
+from prefill_svc.page_lease import LeaseBudget, PageLeaseConfig
 from prefill_svc.shm_sender import SharedMemorySender
 from prefill_svc.validation import PrefillLimits, validate_prefill
 
@@ -45,6 +47,8 @@ class PlaneOffer:
     shm_dir: str = ""
     release_grace_s: float = DEFAULT_GRACE_S
     nixl: NixlPlane | None = None  # None: NIXL not offered (no wheel, no backend, or TLS)
+    # NIXL handoffs of a CPU pool served from the pages themselves, bounded (P-68)
+    page_lease: PageLeaseConfig = field(default_factory=PageLeaseConfig)
 
     def offers(self) -> list[handoff_pb2.DataPlaneOffer]:
         """Fastest first (common.handoff.planes.PREFERENCE); inline always."""
@@ -74,6 +78,42 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         self.refusals = refusals
         self.log = log
         self.metrics = metrics if metrics is not None else NullMetrics()
+        self.lease_budget = LeaseBudget(self.planes.page_lease, engine.pool.allocator.num_pages,
+                                        engine.counters)
+        self.nixl_from_pages = self._nixl_source()
+
+    def _nixl_source(self) -> bool:
+        """The rule, logged once: NIXL handoffs come straight from the pool's pages when the
+        pool is in host memory and the page lease is on (each handoff within its cap: P-68),
+        else from a packed buffer per handoff (P-66)."""
+        if self.planes.nixl is None:
+            return False
+        pool = self.engine.pool
+        why = ("" if pool.k.device.type == "cpu" else
+               f"the KV pool is on {pool.k.device.type}, not registrable as host pages")
+        if not self.planes.page_lease.enabled:
+            why = "the page lease is off"
+        if why:
+            self.log.info("nixl_source", path="packed",
+                          message=f"NIXL handoffs are packed into a registered buffer: {why}")
+        else:
+            self.log.info("nixl_source", path="pages", max_pages=self.lease_budget.max_pages,
+                          max_handoffs=self.planes.page_lease.max_handoffs,
+                          message="NIXL handoffs are read straight from the KV pages, held "
+                          "until decode releases them; past the cap, packed")
+        return not why
+
+    def _nixl_sender(self, request: handoff_pb2.PrefillRequest) -> KvSender:
+        tokens = len(request.token_ids)
+        pages = self.engine.pool.allocator.pages_needed(tokens)
+        if self.nixl_from_pages:
+            if self.lease_budget.take(pages):
+                return NixlPagesSender(request.request_id, self.layout, tokens, self.planes.nixl,
+                                       self.engine.pool, self.lease_budget,
+                                       self.engine.return_pages, self.engine.counters)
+            self.log.info("nixl_page_lease_full", request_id=request.request_id,
+                          message=f"packed: {self.lease_budget.why_not(pages)}")
+        return NixlSender(request.request_id, self.layout, tokens, self.planes.nixl)
 
     async def GetPrefillInfo(self, request, context) -> handoff_pb2.GetPrefillInfoResponse:
         return handoff_pb2.GetPrefillInfoResponse(
@@ -95,8 +135,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
             self.leases.add(request.request_id, request.nonce, sender)
             return sender
         if request.data_plane == TO_PROTO[NIXL] and self.planes.nixl is not None:
-            sender = NixlSender(request.request_id, self.layout, len(request.token_ids),
-                                self.planes.nixl)
+            sender = self._nixl_sender(request)
             self.leases.add(request.request_id, request.nonce, sender)
             return sender
         return InlineSender(request.request_id)

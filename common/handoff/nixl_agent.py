@@ -129,6 +129,16 @@ class NixlAgent:
                     if share else b"")
         return Registration(address, size, descs, meta)
 
+    def register_regions(self, regions: list[tuple[int, int]], share: bool) -> Registration:
+        """Registers host memory regions (address, length) that outlive the registration, as
+        one registration (one deregister drops them all); share: with the partial metadata a
+        peer needs to READ them. The Registration's address and size are the first region's."""
+        with self._lock:
+            descs = self._agent.register_memory([(a, n, 0, "") for a, n in regions], "DRAM")
+            meta = (bytes(self._agent.get_partial_agent_metadata(descs, True, ["UCX"]))
+                    if share else b"")
+        return Registration(regions[0][0], regions[0][1], descs, meta)
+
     def read(self, local: np.ndarray, remote: list[tuple[int, int]], peer: str):
         """Posts one READ of the remote (address, length) pieces into local, back to back ->
         (handle, state). Raises when NIXL refuses it (for example a range the peer never

@@ -1,5 +1,6 @@
-"""The services hand off over NIXL (decode READs each chunk from prefill's agent) with output
-identical to inline; pools return to baseline and prefill's buffers are released by decode."""
+"""The services hand off over NIXL (decode READs each chunk straight from prefill's KV pages,
+P-68) with greedy output identical to inline; pools return to baseline and prefill's pages are
+held until decode releases them."""
 
 from __future__ import annotations
 
@@ -55,7 +56,12 @@ def test_nixl_output_equals_inline(pairs, length):
     assert len(via_nixl.token_ids) == 16 and via_nixl.token_ids == via_inline.token_ids
     nixl.assert_pools_at_baseline()
     _released(nixl, before + 1)  # decode's release, long before the 30 s grace period
-    assert "handoff_releases_expired" not in nixl.prefill.stats().counters
+    counters = nixl.prefill.stats().counters
+    assert "handoff_releases_expired" not in counters
+    # read straight from prefill's pages (P-68), held until that release and returned
+    assert counters.get("nixl_page_leases", 0) >= before + 1
+    assert counters.get("nixl_lease_pages_held", 0) == 0
+    assert "nixl_page_lease_fallbacks" not in counters
 
 
 def test_the_handoffs_really_went_over_nixl(pairs):
