@@ -110,7 +110,8 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
             if self.lease_budget.take(pages):
                 return NixlPagesSender(request.request_id, self.layout, tokens, self.planes.nixl,
                                        self.engine.pool, self.lease_budget,
-                                       self.engine.return_pages, self.engine.counters)
+                                       self.engine.return_pages, self.engine.counters,
+                                       request.max_chunk_bytes or DEFAULT_MAX_CHUNK_BYTES)
             self.log.info("nixl_page_lease_full", request_id=request.request_id,
                           message=f"packed: {self.lease_budget.why_not(pages)}")
         return NixlSender(request.request_id, self.layout, tokens, self.planes.nixl)

@@ -2,7 +2,8 @@
 split at every run of page slots, each reference names exactly the pool bytes of its K and V,
 only the handoff's slots are registered and they are deregistered before the pages go back;
 a release before the engine is done frees the pages at once; a registration NIXL refuses
-falls back to the packed buffer (P-66), nothing held."""
+falls back to the packed buffer (P-66), nothing held, and so does one whose registration's
+metadata would not fit its first frame."""
 
 from __future__ import annotations
 
@@ -42,12 +43,12 @@ def pool():
     return p
 
 
-def _sender(plane, pool, returned, counters=None):
+def _sender(plane, pool, returned, counters=None, max_metadata=4 << 20):
     counters = counters or Counters()
     budget = LeaseBudget(PageLeaseConfig(), pool.allocator.num_pages, counters)
     assert budget.take(3)
     return NixlPagesSender("r", LAYOUT, TOKENS, plane, pool, budget, returned.append,
-                           counters), budget
+                           counters, max_metadata), budget
 
 
 def _frames(sender, pool, table):
@@ -129,3 +130,15 @@ def test_a_registration_nixl_refuses_falls_back_to_the_packed_buffer(plane, pool
     assert sender.hold("r") is None  # nothing held: the engine frees the pages
     sender.release(True, peer_done=True)
     assert returned == [] and sender.fallback._reg is None
+
+
+def test_metadata_too_large_for_a_frame_falls_back_to_the_packed_buffer(plane, pool):
+    returned: list[str] = []
+    counters = Counters()
+    sender, budget = _sender(plane, pool, returned, counters, max_metadata=64)
+    chunks = _frames(sender, pool, [0, 2, 4])  # 3 runs x 2 layers x K, V: 12 regions
+    assert sender.fallback is not None and budget.handoffs == 0
+    assert counters.get("nixl_page_lease_fragmented") == 1
+    assert chunks[0][1].ref.nixl_address == sender.fallback._reg.address
+    sender.release(True, peer_done=True)
+    assert returned == [] and plane._pinned == 0
