@@ -78,6 +78,12 @@ ROLE_HELP = {
                        "releases them",
     "nixl": "offer the NIXL data plane (decode READs the KV from prefill's NIXL agent)",
     "nixl_read_timeout_s": "seconds one NIXL READ of a chunk may take before it is refused",
+    "nixl_from_pages": "serve NIXL handoffs of a host-memory pool straight from the KV pages "
+                       "(held until decode releases them) instead of a packed buffer",
+    "nixl_lease_max_pages": "the most KV pages NIXL handoffs served from the pages may hold at "
+                            "once (0: half the pool); past it a handoff is packed",
+    "nixl_lease_max_handoffs": "the most NIXL handoffs served from the pages at once; past it "
+                               "a handoff is packed",
     "data_plane": "how KV travels from prefill: inline, shared-memory, nixl, or auto (the "
                   "fastest both sides offer, else inline)",
     "max_batch_tokens": "prompt tokens in one prefill forward pass (all prompts in it); the "
@@ -143,6 +149,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "verify_full_fraction": (0, 1), "http_port": (-1, 65535),
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
     "nixl_read_timeout_s": (0.001, None), "torch_threads": (0, 1024),
+    "nixl_lease_max_pages": (0, None), "nixl_lease_max_handoffs": (1, None),
     "prefill_busy_slack": (1, None), "handoff_retries": (0, 5),
     "http_slow_reader_s": (0.001, None), "http_stream_buffer_bytes": (4096, 1 << 30),
 }

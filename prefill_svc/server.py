@@ -27,6 +27,7 @@ from prefill_svc.send_budget import SendBudget
 from prefill_svc.handoff_leases import HandoffLeases
 from prefill_svc.prefix_cache import PrefixCache, PrefixCacheConfig, cache_gauges
 from prefill_svc.nixl_sender import NixlPlane
+from prefill_svc.page_lease import PageLeaseConfig
 from prefill_svc.servicer import HandoffServicer, PlaneOffer, add_handoff_service
 from prefill_svc.validation import PrefillLimits
 
@@ -113,7 +114,10 @@ def plane_offer(config: PrefillConfig, log) -> PlaneOffer:
     if config.shared_memory and not host_id:
         log.warning("shared_memory_unusable", shm_dir=svc.shm_dir,
                     message="the shared-memory directory is missing or not writable")
-    return PlaneOffer(host_id, svc.shm_dir if host_id else "", config.release_grace_s, nixl)
+    lease = PageLeaseConfig(config.nixl_from_pages, config.nixl_lease_max_pages,
+                            config.nixl_lease_max_handoffs)
+    return PlaneOffer(host_id, svc.shm_dir if host_id else "", config.release_grace_s, nixl,
+                      lease)
 
 
 def nixl_plane(log, loopback: bool) -> NixlPlane | None:

@@ -23,6 +23,17 @@ DECODE = ["--max-chunk-bytes", str(256 << 10)]
 
 
 @pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """NIXL with every handoff packed into a registered buffer (P-66), not read from pages."""
+    nixl_or_skip()
+    cluster = start_cluster(tmp_path_factory.mktemp("packed"), "demo", common_flags=FLAGS,
+                            prefill_flags=["--no-shared-memory", "--no-nixl-from-pages"],
+                            decode_flags=[*DECODE, "--data-plane", "nixl"], env=LOOPBACK_UCX)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     nixl_or_skip()
     root = tmp_path_factory.mktemp("nixl")
@@ -79,3 +90,18 @@ def test_prefill_offers_nixl_first_with_its_agent_metadata(pairs):
     assert [o.plane for o in info.data_planes] == [handoff_pb2.DATA_PLANE_NIXL,
                                                    handoff_pb2.DATA_PLANE_INLINE]
     assert info.data_planes[0].nixl_agent_metadata
+
+
+@pytest.mark.parametrize("length", [37, 700])
+def test_greedy_output_over_the_pages_equals_the_packed_path(pairs, packed, length):
+    _, nixl = pairs
+    ids = prompt(length, seed=length + 1)
+    via_pages = generate(nixl.address, token_ids=ids, max_tokens=16, ignore_eos=True)
+    via_packed = generate(packed.address, token_ids=ids, max_tokens=16, ignore_eos=True)
+    assert len(via_pages.token_ids) == 16 and via_pages.token_ids == via_packed.token_ids
+    packed.assert_pools_at_baseline()
+    nixl.assert_pools_at_baseline()
+    counters = packed.prefill.stats().counters
+    assert counters.get("nixl_page_leases", 0) == 0 and counters.get("handoff_releases", 0) >= 1
+    assert '"path": "packed"' in packed.prefill.log_text()
+    assert '"path": "pages"' in nixl.prefill.log_text()
