@@ -4,14 +4,15 @@ Prefill computes a prompt's KV as its engine does (whole, in chunks of `--prefil
 attending over paged context, or in one pass with other prompts, or both), the KV travels as it
 does on the wire (per layer, in the pool's dtype) into shuffled decode pages, and decode's own
 checks measure it: layer 0 recomputed for every token (D-46) and the last position plus
-`--depth-positions` random ones recomputed through every layer (D-47), with the functions the
-content check itself runs (decode_svc/content_check.py). Both sides run the same backend
-(`--backend`, default cpu: the oneDNN prepacked bfloat16 projections), in one process, one
-thread. The table gives the largest error of each model, dtype and mode, and the summary the
-margin to decode_svc.content_check.TOLERANCES (tolerance / largest; a margin below 1 means a
-legitimate handoff would be refused).
+`--depth-positions` random ones recomputed through every layer (D-47), and with `--audit` the
+full audit's whole-prompt recompute (D-49, judged by the depth tolerance), with the functions
+the checks themselves run (decode_svc/content_check.py, decode_svc/full_audit.py). Both sides
+run the same backend (`--backend`, default cpu: the oneDNN prepacked bfloat16 projections), in
+one process, one thread. The table gives the largest error of each model, dtype and mode, and
+the summary the margin to decode_svc.content_check.TOLERANCES (tolerance / largest; a margin
+below 1 means a legitimate handoff would be refused).
 
-    python -m bench.content_tolerance --dtypes bfloat16,float16 --seeds 3
+    python -m bench.content_tolerance --dtypes bfloat16,float16 --seeds 3 --audit
 
 Models: the test checkpoints (tests/helpers/checkpoints.py SPECS and FAMILY_SPECS, made here in
 a temporary folder), the demo model, and the bench checkpoint (`--bench-checkpoint`, made with
@@ -38,6 +39,7 @@ from common.model.loader import load_model
 from common.ops.select import make_ops
 from common.sampling import SamplingConfig, sample_batch
 from decode_svc.content_check import TOLERANCES, _depth_error, _layer0_error
+from decode_svc.full_audit import recompute_and_compare
 
 LENGTHS = (1, 3, 17, 31, 63, 127, 255, 511, 1023, 2047)  # odd, across page boundaries
 MODES = ("whole", "chunked-23", "chunked-256", "batched", "batched-100")
@@ -56,6 +58,7 @@ class Handoff:
     depth: float
     depth_layer: int
     first_token_agrees: bool
+    audit: float | None  # None: not measured (no --audit)
 
 
 def checkpoints(root: Path, bench_checkpoint: Path | None) -> Iterator[tuple[str, LoadedModel]]:
@@ -112,9 +115,10 @@ def prefill(model: LlamaModel, prompt: list[int], others: list[list[int]],
 
 
 def measure_on_decode(model: LlamaModel, prompt: list[int], kv: list[torch.Tensor],
-                      rng: random.Random, depth_positions: int) -> tuple[float, float, int, int]:
+                      rng: random.Random, depth_positions: int,
+                      audit: bool) -> tuple[float, float, int, int, float | None]:
     """Lands kv in shuffled decode pages and measures it as check_content does -> (layer-0
-    error, depth error, its layer, decode's first token)."""
+    error, depth error, its layer, decode's first token, the full audit's error or None)."""
     n, device = len(prompt), model.device
     pool = _pool(model, (2 * (n // PAGE_SIZE + 1) + 4) * PAGE_SIZE)
     spacers = [f"s{k}" for k in range(pool.allocator.num_pages - pool.allocator.pages_needed(n))]
@@ -129,13 +133,16 @@ def measure_on_decode(model: LlamaModel, prompt: list[int], kv: list[torch.Tenso
                             table, 0)
     ids = torch.tensor(prompt, dtype=torch.int64, device=device)
     layer0 = _layer0_error(model, pool, table, ids)
+    audited = recompute_and_compare(model, pool, table, ids).error if audit else None
     positions = [n - 1, *sorted(rng.sample(range(n - 1), min(depth_positions, n - 1)))]
     depth, worst_layer, logits = _depth_error(model, pool, pages, table, ids, positions)
-    return layer0, depth, worst_layer, sample_batch(logits[:1], [SamplingConfig()], [0])[0]
+    first = sample_batch(logits[:1], [SamplingConfig()], [0])[0]
+    return layer0, depth, worst_layer, first, audited
 
 
 def run(name: str, loaded: LoadedModel, dtype: torch.dtype, backend: str, modes: list[str],
-        lengths: list[int], seeds: int, depth_positions: int) -> Iterator[Handoff]:
+        lengths: list[int], seeds: int, depth_positions: int,
+        audit: bool) -> Iterator[Handoff]:
     device = torch.device("cpu")
     prefill_model = LlamaModel(loaded.config, loaded.weights, make_ops(backend, device), device,
                                dtype)
@@ -152,10 +159,10 @@ def run(name: str, loaded: LoadedModel, dtype: torch.dtype, backend: str, modes:
                 others = [[rng.randrange(3, vocab) for _ in range(rng.randint(1, min(window, 300)))]
                           for _ in range(rng.randint(1, 3))] if batched else []
                 kv, first = prefill(prefill_model, prompt, others, chunk)
-                layer0, depth, layer, mine = measure_on_decode(decode_model, prompt, kv, rng,
-                                                               depth_positions)
+                layer0, depth, layer, mine, audited = measure_on_decode(
+                    decode_model, prompt, kv, rng, depth_positions, audit)
                 yield Handoff(name, str(dtype).removeprefix("torch."), mode, n, seed, layer0,
-                              depth, layer, mine == first)
+                              depth, layer, mine == first, audited)
 
 
 def report(rows: list[Handoff]) -> None:
@@ -164,12 +171,12 @@ def report(rows: list[Handoff]) -> None:
     for r in rows:
         groups.setdefault((r.model, r.dtype, r.mode), []).append(r)
     print(f"{'model':<22} {'dtype':<9} {'mode':<12} {'n':>4} {'layer0 max':>10} "
-          f"{'depth max':>10} {'at tokens':>9} {'first-token diff':>16}")
+          f"{'depth max':>10} {'at tokens':>9} {'audit max':>10} {'first-token diff':>16}")
     for (model, dtype, mode), group in groups.items():
         worst = max(group, key=lambda r: r.depth)
         print(f"{model:<22} {dtype:<9} {mode:<12} {len(group):>4} "
               f"{max(r.layer0 for r in group):>10.3g} {worst.depth:>10.3g} {worst.tokens:>9} "
-              f"{sum(not r.first_token_agrees for r in group):>16}")
+              f"{_audit(group):>10} {sum(not r.first_token_agrees for r in group):>16}")
     print()
     for dtype in sorted({r.dtype for r in rows}):
         mine = [r for r in rows if r.dtype == dtype]
@@ -182,6 +189,17 @@ def report(rows: list[Handoff]) -> None:
               f"{tol.layer0:g}, margin {_margin(tol.layer0, l0.layer0)}; depth largest "
               f"{dp.depth:.3g} ({dp.model}, {dp.mode}, {dp.tokens} tokens, layer "
               f"{dp.depth_layer}), tolerance {tol.depth:g}, margin {_margin(tol.depth, dp.depth)}")
+        audited = [r.audit for r in mine if r.audit is not None]
+        if audited:
+            refused = sum(a > tol.depth for a in audited)
+            print(f"{dtype}: full audit of {len(audited)} handoffs, {refused} would be refused; "
+                  f"largest {max(audited):.3g}, tolerance {tol.depth:g}, margin "
+                  f"{_margin(tol.depth, max(audited))}")
+
+
+def _audit(group: list[Handoff]) -> str:
+    audited = [r.audit for r in group if r.audit is not None]
+    return f"{max(audited):.3g}" if audited else "-"
 
 
 def _margin(tolerance: float, worst: float) -> str:
@@ -198,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt tokens")
     p.add_argument("--seeds", type=int, default=3, help="prompts per model, mode and length")
     p.add_argument("--depth-positions", type=int, default=4, help="as --verify-depth-positions")
+    p.add_argument("--audit", action="store_true", help="also the full audit's recompute")
     p.add_argument("--models", default="", help="only these model names (comma separated)")
     p.add_argument("--bench-checkpoint", type=Path, default=Path("/tmp/kvh-bench-llama"))
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -223,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             for dtype_name in dtypes:
                 rows += run(name, loaded, known[dtype_name], args.backend, modes, lengths,
-                            args.seeds, args.depth_positions)
+                            args.seeds, args.depth_positions, args.audit)
                 print(f"# {name} {dtype_name}: done", flush=True)
     report(rows)
     if args.json:
