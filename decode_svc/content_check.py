@@ -7,9 +7,9 @@ KV of the prompt it sent.
    RoPE depend only on each token and its position) and compares them, every token, with what
    arrived;
 3. depth: decode recomputes the last prompt position and `depth_positions` positions it draws at
-   random now, after the KV arrived, through every layer over the received KV (one batched
-   decode step), and compares each recomputed position's K and V, in every layer, with what
-   prefill sent for it;
+   random (unguessable, never sent) once layer 0 landed, through every layer over the received
+   KV (one batched decode step), and compares each recomputed position's K and V, in every
+   layer, with what prefill sent for it;
 4. the first token is sampled from decode's own logits of the last position.
 
 With `full_fraction` F > 0, a fraction F of handoffs is also audited between checks 2 and 3
@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,9 +40,11 @@ from common.handoff.reasons import HandoffRefused, refuse
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import DecodeBatch, LlamaModel
 from common.sampling import SamplingConfig, sample_batch
-from decode_svc.content_pipeline import ContentPipeline
 from decode_svc.full_audit import FullAudit
 from decode_svc.kv_difference import relative_error
+
+if TYPE_CHECKING:  # content_pipeline calls this module's measures
+    from decode_svc.content_pipeline import ContentPipeline
 
 
 @dataclass(frozen=True)
@@ -159,9 +162,7 @@ def _judge_prepared(model: LlamaModel, pool: KvPool, request_id: str, sampling: 
                              device=model.device)
         ids = torch.tensor(prepared.token_ids, dtype=torch.int64, device=model.device)
         audit.check(model, pool, request_id, table, ids, tolerance.depth)
-    errors = prepared.depth_errors()
-    layer = max(range(len(errors)), key=errors.__getitem__)
-    depth = errors[layer]
+    depth, layer = _depth_compare(prepared.sent, prepared.mine)
     if not depth <= tolerance.depth:
         raise refuse("KV_DEPTH_MISMATCH", f"recomputing prompt positions {prepared.positions} "
                      f"through every layer over the received KV gives layer {layer} K/V that "
@@ -195,10 +196,16 @@ def _depth_error(model: LlamaModel, pool: KvPool, pages: list[int], table: torch
         page_table=table.unsqueeze(0).expand(len(positions), -1).contiguous(),
         seq_lens=(where + 1).to(torch.int32))
     logits = model.decode(batch, pool.k, pool.v)
-    mine = _gather(pool, slots)
-    errors = [relative_error(sent[layer], mine[layer]) for layer in range(sent.shape[0])]
+    depth, worst = _depth_compare(sent, _gather(pool, slots))
+    return depth, worst, logits
+
+
+def _depth_compare(sent, mine) -> tuple[float, int]:
+    """sent, mine: per layer [2, m, Hkv, D] (prefill's K/V at the depth rows' slots, decode's
+    own) -> (the largest per-layer max |sent - mine| / rms(mine), its layer)."""
+    errors = [relative_error(s, m) for s, m in zip(sent, mine, strict=True)]
     worst = max(range(len(errors)), key=errors.__getitem__)
-    return errors[worst], worst, logits
+    return errors[worst], worst
 
 
 def _gather(pool: KvPool, slots: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from common.kvpool.kv_cache import KvPool
 from common.model.llama import LlamaModel
-from decode_svc.kv_difference import relative_error
+from decode_svc import content_check
 
 
 class ContentPipeline:
@@ -56,8 +56,8 @@ class ContentPipeline:
         self.seconds = 0.0  # engine time the stages took
         self.layer0_error = float("nan")
         self.positions: list[int] = []
-        self._sent: list[torch.Tensor] = []  # per layer: [2, m, Hkv, D], prefill's
-        self._mine: list[torch.Tensor] = []  # per layer: [2, m, Hkv, D], decode's own
+        self.sent: list[torch.Tensor] = []  # per layer: [2, m, Hkv, D], prefill's
+        self.mine: list[torch.Tensor] = []  # per layer: [2, m, Hkv, D], decode's own
         self._x = self._residual = None
         self.logits: torch.Tensor | None = None  # [m, vocab] float32, the last position first
 
@@ -109,7 +109,7 @@ class ContentPipeline:
         if layer == 0:
             self._start(model, pool, pages, table, n)
         k_layer, v_layer = pool.k[layer], pool.v[layer]  # [P, S, Hkv, D]
-        self._sent.append(self._gather(k_layer, v_layer))
+        self.sent.append(self._gather(k_layer, v_layer))
 
         def attend(at: int, h: torch.Tensor) -> torch.Tensor:
             q, k, v = model._qkv(at, h, self._where)
@@ -119,8 +119,8 @@ class ContentPipeline:
             return out.reshape(out.shape[0], -1)
 
         self._x, self._residual = model._layer(layer, self._x, self._residual, attend)
-        self._mine.append(self._gather(k_layer, v_layer))
-        sent = self._sent[-1]
+        self.mine.append(self._gather(k_layer, v_layer))
+        sent = self.sent[-1]
         k_layer.flatten(0, 1).index_copy_(0, self._slots, sent[0])  # prefill's values back
         v_layer.flatten(0, 1).index_copy_(0, self._slots, sent[1])
         if layer == self.num_layers - 1:
@@ -131,9 +131,8 @@ class ContentPipeline:
                n: int) -> None:
         device = model.device
         ids = torch.tensor(self.token_ids, dtype=torch.int64, device=device)  # [n]
-        k0, v0 = model.layer0_kv(ids, torch.arange(n, dtype=torch.int64, device=device))
-        received = model.ops.pack_kv(pool.k[0], pool.v[0], table, 0, n)  # [2, n, Hkv, D]
-        self.layer0_error = max(relative_error(received[0], k0), relative_error(received[1], v0))
+        # the measure of the checks after the commit, looked up at call time (one definition)
+        self.layer0_error = content_check._layer0_error(model, pool, table, ids)
         others = self._rng.sample(range(n - 1), min(self.depth_positions, n - 1))
         self.positions = [n - 1, *sorted(others)]
         page_size = pool.page_size
@@ -150,8 +149,3 @@ class ContentPipeline:
         """-> [2, m, Hkv, D]: K and V of the rows' slots in one layer (a copy)."""
         return torch.stack((k_layer.flatten(0, 1)[self._slots],
                             v_layer.flatten(0, 1)[self._slots]))
-
-    def depth_errors(self) -> list[float]:
-        """Per layer: max |prefill's - decode's| / rms(decode's) over the rows' K and V."""
-        return [relative_error(sent, mine) for sent, mine in zip(self._sent, self._mine,
-                                                                  strict=True)]

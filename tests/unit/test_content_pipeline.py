@@ -99,7 +99,7 @@ def test_same_verdict_as_the_checks_after_the_commit(model, shuffled):
     depth, _, logits = _depth_error(model, pool, pages, table, torch.tensor(ids),
                                     list(pipeline.positions))
     assert torch.equal(logits, pipeline.logits)
-    assert max(pipeline.depth_errors()) == depth == verdict.depth_error
+    assert depth == verdict.depth_error
     full = check_content(model, _landed(model, ids), "r", ids, sampling, ContentCheckConfig(),
                          random.Random(0))
     assert full.first_token_id == verdict.first_token_id

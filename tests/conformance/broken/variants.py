@@ -184,11 +184,11 @@ def decode_skips_depth_check() -> None:
     import decode_svc.content_check as content
 
     def make(original):
-        def _depth_error(*args):
-            _, layer, logits = original(*args)
-            return 0.0, layer, logits
-        return _depth_error
-    _patch_module(content, "_depth_error", make)
+        def _depth_compare(sent, mine):
+            _, layer = original(sent, mine)
+            return 0.0, layer
+        return _depth_compare
+    _patch_module(content, "_depth_compare", make)
 
 
 def decode_streams_prefill_first_token() -> None:
