@@ -8,7 +8,10 @@ decode, and decode never exposes its pool). The buffers come from the plane's
 `NixlPlane` is the process's agent plus the thread that progresses it: without NIXL's own
 progress thread (it spins a core per agent) a READ against prefill's memory completes only when
 prefill's worker progresses, so the thread progresses it often while a chunk was emitted in the
-last HOT_S seconds, rarely while buffers are merely pinned, and not at all when none is.
+last HOT_S seconds, rarely while buffers are merely pinned or for LINGER_S after the last one
+was released (a READ posted late, after its handoff's release, then still ends, so the decode
+that posted it gets its quarantined pages back: D-67a; it lands bytes its checksums refuse,
+P-68), and not at all otherwise.
 
 Invariants (besides KvSender's): the buffer is registered before the first frame naming it is
 returned, every byte a frame names is written before the frame is returned, and the buffer stays
@@ -34,6 +37,7 @@ from prefill_svc.oob_sender import OutOfBandSender
 HOT_S = 0.5
 HOT_PAUSE_S = 50e-6
 COLD_PAUSE_S = 2e-3
+LINGER_S = 30.0
 
 
 class NixlPlane:
@@ -46,6 +50,7 @@ class NixlPlane:
         self.buffers = RegisteredBuffers(agent, True, max_idle_bytes)
         self._pinned = 0
         self._last_emit = 0.0
+        self._last_unpinned = float("-inf")
         self._wake = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._progress, name="nixl-progress", daemon=True)
@@ -54,6 +59,8 @@ class NixlPlane:
     def pinned(self, delta: int) -> None:
         with self._wake:
             self._pinned += delta
+            if self._pinned == 0:
+                self._last_unpinned = time.monotonic()
             self._wake.notify()
 
     def emitted(self) -> None:
@@ -63,6 +70,9 @@ class NixlPlane:
         while True:
             with self._wake:
                 while self._pinned == 0 and not self._stopped:
+                    idle = time.monotonic() - self._last_unpinned
+                    if idle < LINGER_S:  # a late READ may still be posted: keep answering
+                        break
                     self._wake.wait()
                 if self._stopped:
                     return
