@@ -14,6 +14,7 @@ from common.handoff.binding import new_nonce
 from common.handoff.layout import protocol_version
 from common.pb.kvhandoff.v1 import handoff_pb2
 from tests.helpers.cluster import generate, handoff_stub, start_cluster
+from tests.ops.helpers import log_events
 from tests.perf.helpers import prompt
 
 pytestmark = pytest.mark.slow
@@ -59,6 +60,22 @@ def test_shared_memory_output_equals_inline(pairs, length):
     assert len(via_shm.token_ids) == 16 and via_shm.token_ids == via_inline.token_ids
     shared.assert_pools_at_baseline()
     _wait_empty(shm)  # decode's release came long before the 30 s grace period
+
+
+def test_the_content_checks_ran_as_the_kv_landed(pairs):
+    """Both planes: each handoff's checks were measured layer by layer as its chunks (3 a
+    layer at 700 tokens) landed, and judged after the commit (decode's own first token)."""
+    for pair in pairs[:2]:
+        ids = prompt(700, seed=11)
+        generate(pair.address, token_ids=ids, max_tokens=2, ignore_eos=True)
+        checked = [e for e in log_events(pair.decode)
+                   if e.get("event") == "handoff_content_verified"
+                   and e.get("prompt_tokens") == 700]
+        assert checked and all(e["landed_seconds"] > 0 for e in checked), checked
+        timeline = [e["timeline_ms"] for e in log_events(pair.decode)
+                    if e.get("event") == "handoff_verified" and e.get("prompt_tokens") == 700]
+        assert timeline and all(list(t)[-1] == "verified" and "first_chunk" in t
+                                and "stream_ended" in t for t in timeline), timeline
 
 
 def test_the_handoffs_really_went_over_shared_memory(pairs):
