@@ -64,6 +64,13 @@ DEFAULT_READ_TIMEOUT_S = 5.0
 # 4.4 ms after 3000); a peer is unloaded (and reconnected on its next handoff, ~2-6 ms) once
 # it has this many sections and no handoff is using it.
 MAX_SECTIONS_PER_PEER = 256
+# NIXL keeps the first remote descriptor it loaded for a memory range and ignores a later
+# identical one (nixlRemoteSection::addDescList), so after prefill deregistered and registered
+# the same range again (P-68's pages, a packed buffer freed and reallocated) the loaded section
+# may name a registration that no longer exists (its RDMA rkey invalid). A buffer metadata blob
+# the peer never sent before, arriving while no handoff uses the peer, therefore drops the
+# peer's earlier sections first (reconnect measured on loopback: ~0.3 ms load, ~0.5 ms more on
+# the first READ); repeated blobs (a packed buffer reused) load as before.
 SPIN_POLLS = 200  # polls without sleeping before backing off (a loopback READ takes < 1 ms)
 POLL_PAUSE_S = 2e-4
 
@@ -277,10 +284,17 @@ class NixlReceiver(OutOfBandReceiver):
         self.pool = PoolRegistration(agent, into_pages, log)
         self._sections: dict[str, int] = {}  # peer agent -> buffer metadata loaded since added
         self._users: dict[str, int] = {}  # peer agent -> handoffs using it now
+        self._blobs: dict[str, set[bytes]] = {}  # peer agent -> metadata loaded since added
 
     def load_peer(self, metadata: bytes) -> str:
         """Loads one buffer's metadata (with the peer's connection info) -> the peer's name."""
         peer = self.agent.add_remote(metadata)
+        seen = self._blobs.setdefault(peer, set())
+        if metadata not in seen and seen and not self._users.get(peer, 0):
+            self._drop_peer(peer)  # its sections may name registrations since dropped
+            peer = self.agent.add_remote(metadata)
+            seen = self._blobs.setdefault(peer, set())
+        seen.add(metadata)
         self._sections[peer] = self._sections.get(peer, 0) + 1
         return peer
 
@@ -293,11 +307,16 @@ class NixlReceiver(OutOfBandReceiver):
         sections and nobody uses it (see MAX_SECTIONS_PER_PEER)."""
         self._users[peer] -= 1
         if self._users[peer] == 0 and self._sections.get(peer, 0) >= MAX_SECTIONS_PER_PEER:
-            try:
-                self.agent.remove_remote(peer)
-            except Exception:  # already gone: nothing to unload
-                pass
-            del self._sections[peer], self._users[peer]
+            self._drop_peer(peer)
+
+    def _drop_peer(self, peer: str) -> None:
+        """Unloads peer (no handoff uses it); its next metadata reconnects it."""
+        try:
+            self.agent.remove_remote(peer)
+        except Exception:  # already gone: nothing to unload
+            pass
+        for known in (self._sections, self._users, self._blobs):
+            known.pop(peer, None)
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
         self.pool.register(self.engine.pool)

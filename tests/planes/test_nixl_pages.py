@@ -352,3 +352,4 @@ def test_past_the_cap_a_handoff_is_packed(harness, receiver):
         harness.engine.release("second")
     finally:
         prefill.close()
+
