@@ -54,6 +54,7 @@ class ContentPipeline:
         self.cursor = 0  # stages run
         self.failed = False
         self.seconds = 0.0  # engine time the stages took
+        self.done_at: float | None = None  # time.monotonic() when the last stage ended
         self.layer0_error = float("nan")
         self.positions: list[int] = []
         self.sent: list[torch.Tensor] = []  # per layer: [2, m, Hkv, D], prefill's
@@ -126,6 +127,7 @@ class ContentPipeline:
         if layer == self.num_layers - 1:
             self.logits = model._logits(self._x, self._residual)
             self._x = self._residual = None
+            self.done_at = time.monotonic()
 
     def _start(self, model: LlamaModel, pool: KvPool, pages: list[int], table: torch.Tensor,
                n: int) -> None:

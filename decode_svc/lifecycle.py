@@ -85,11 +85,15 @@ Event = Token | Finished
 
 
 def handoff_timeline(received: float, reserved: float, record: TransferRecord,
-                     handed: float) -> dict[str, float]:
+                     handed: float, pipeline: ContentPipeline | None = None
+                     ) -> dict[str, float]:
     """Milliseconds from the request's arrival to each milestone of its hand-off that was
-    reached (the first attempt's receiver marks, in time order), then `verified` (form and
-    content checked): where a request's time before its first token went."""
+    reached (the first attempt's receiver marks; when the checks run as the KV landed ended),
+    in time order, then `verified` (form and content checked): where a request's time before
+    its first token went."""
     marks = {"reserved": reserved, **record.marks, "verified": handed}
+    if pipeline is not None and pipeline.done_at is not None:
+        marks["checks_landed"] = pipeline.done_at
     return {name: round((at - received) * 1e3, 2)
             for name, at in sorted(marks.items(), key=lambda item: item[1])}
 
@@ -223,7 +227,7 @@ class RequestLifecycle:
                           cached_tokens=landed.cached_tokens, plane=record.plane,
                           seconds=round(handed - queued, 4),
                           timeline_ms=handoff_timeline(admitted.received, queued, record,
-                                                       handed))
+                                                       handed, pipeline))
         self.metrics.handoff(handed - queued, landed.payload_bytes, queued - admitted.received)
         return landed
 
