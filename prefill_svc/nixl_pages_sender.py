@@ -188,7 +188,7 @@ class NixlPagesSender(KvSender):
                 self.nixl.pinned(-1)
         if owner is not None:
             self.return_pages(owner)
-            self.counters.add("nixl_lease_pages_held", -self.pages)
+            self.counters.add("nixl_lease_pages_returned", self.pages)
             if not peer_done:
                 self.counters.add("nixl_page_leases_expired")
         self._give_back_budget()

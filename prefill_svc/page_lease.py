@@ -4,9 +4,11 @@ ReleaseHandoff or the grace period, so their number and their pages are capped; 
 the cap takes the packed-buffer path instead (P-66).
 
 Counters (the process's `Counters`): `nixl_page_leases` (handoffs served from the pages),
-`nixl_page_lease_fallbacks` (past the cap: packed), `nixl_lease_pages_held` (pages held now by
-handoffs the engine is done with: up on hold, down on return), `nixl_page_leases_expired`
-(returned by the grace period or shutdown, not by decode).
+`nixl_page_lease_fallbacks` (past the cap: packed), `nixl_lease_pages_held` and
+`nixl_lease_pages_returned` (pages that passed to a hold owner when the engine was done with
+their job, and that went back to the pool: held now is their difference; counters only grow, as
+Prometheus counters must), `nixl_page_leases_expired` (returned by the grace period or
+shutdown, not by decode).
 
 Invariants: `take` and `give_back` pair up (each handoff that took gives back exactly once);
 `pages` and `handoffs` never exceed the config's caps. Any thread (one lock).

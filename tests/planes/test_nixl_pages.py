@@ -144,6 +144,12 @@ def _wait(prefill: PagesPrefill, ok, what: str, timeout_s: float = 10.0) -> dict
     return stats
 
 
+def _held_now(stats: dict) -> int:
+    """Pages leases hold now: those that passed to a hold owner less those returned."""
+    counters = stats["counters"]
+    return counters.get("nixl_lease_pages_held", 0) - counters.get("nixl_lease_pages_returned", 0)
+
+
 def _release(address: str, request_id: str, nonce: bytes) -> bool:
     async def go():
         client = PrefillClient(address, CHUNK_BYTES, None)
@@ -215,12 +221,11 @@ def test_pages_are_held_until_release_handoff_and_then_returned(harness, receive
 
     landed, record, nonce = asyncio.run(go())
     assert record.state == TransferState.SUCCESS, landed
-    stats = _wait(prefill, lambda s: s["counters"].get("nixl_lease_pages_held") == 3,
-                  "the lease holds the 3 pages")
+    stats = _wait(prefill, lambda s: _held_now(s) == 3, "the lease holds the 3 pages")
     assert stats["pages_free"] == baseline - 3  # not free: decode has not released them
     assert _release(prefill.address, "held", nonce)
     stats = _wait(prefill, lambda s: s["pages_free"] == baseline, "pages back after release")
-    assert stats["counters"]["nixl_lease_pages_held"] == 0
+    assert _held_now(stats) == 0 and stats["counters"]["nixl_lease_pages_returned"] == 3
     assert "nixl_page_leases_expired" not in stats["counters"]
     assert not _release(prefill.address, "held", nonce)  # once only
     harness.engine.release("held")
@@ -243,7 +248,7 @@ def test_a_lease_nobody_releases_returns_the_pages_after_the_grace(harness, rece
         assert record.state == TransferState.SUCCESS, landed
         stats = _wait(prefill, lambda s: s["pages_free"] == baseline, "pages back after grace")
         assert stats["counters"]["nixl_page_leases_expired"] == 1
-        assert stats["counters"]["nixl_lease_pages_held"] == 0
+        assert _held_now(stats) == 0
         assert not _release(prefill.address, "orphan", nonce)  # already gone
         harness.engine.release("orphan")
     finally:
@@ -346,6 +351,7 @@ def test_past_the_cap_a_handoff_is_packed(harness, receiver):
         counters = prefill.stats()["counters"]
         assert counters["nixl_page_leases"] == 1 and counters["nixl_page_lease_fallbacks"] == 1
         assert counters["nixl_lease_pages_held"] == 3  # only the first's pages are held
+        assert "nixl_lease_pages_returned" not in counters
         assert _release(prefill.address, "first", na) and _release(prefill.address, "second", nb)
         _wait(prefill, lambda s: s["pages_free"] == baseline, "pages back after release")
         harness.engine.release("first")
