@@ -53,8 +53,9 @@ UNCHECKED = "disaggregated-unchecked"
 AUDIT = "audit-"  # + the fraction: the first plane's pair at a further --verify-full-fraction
 
 
-def log_seconds(decode_log: Path, event_name: str) -> dict[int, list[float]]:
-    """`seconds` of decode's JSON log lines named event_name, per prompt length."""
+def log_seconds(decode_log: Path, event_name: str, field: str = "seconds"
+                ) -> dict[int, list[float]]:
+    """`field` (seconds) of decode's JSON log lines named event_name, per prompt length."""
     out: dict[int, list[float]] = {}
     if not decode_log.exists():
         return out
@@ -64,7 +65,7 @@ def log_seconds(decode_log: Path, event_name: str) -> dict[int, list[float]]:
         except ValueError:
             continue
         if event.get("event") == event_name and "prompt_tokens" in event:
-            out.setdefault(int(event["prompt_tokens"]), []).append(float(event["seconds"]))
+            out.setdefault(int(event["prompt_tokens"]), []).append(float(event.get(field, 0.0)))
     return out
 
 
@@ -181,6 +182,8 @@ def main(argv: list[str]) -> int:
             handoff_s = {name: log_seconds(logs[name], "handoff_verified") for name in planes}
             checks_s = {name: log_seconds(logs[name], "handoff_content_verified")
                         for name in planes}
+            landed_s = {name: log_seconds(logs[name], "handoff_content_verified",
+                                          "landed_seconds") for name in planes}
             local_s = log_seconds(logs["local"], "prefilled_locally")
             audit_s = {name: log_seconds(logs[name], "full_audit")
                        for name in [planes[0], *audits]}
@@ -198,12 +201,14 @@ def main(argv: list[str]) -> int:
             exposed = statistics.median(a - b for a, b in zip(ttft, local))
             handoff = _median_ms(handoff_s[plane].get(length, []))
             checks = _median_ms(checks_s[plane].get(length, []))
+            landed = _median_ms(landed_s[plane].get(length, []))
             exposed_log = (None if None in (handoff, checks, row["local_prefill_log_ms"]) else
                            handoff - checks - row["local_prefill_log_ms"])
             row["planes"][plane] = {
                 "ttft_ms": statistics.median(ttft) * 1e3, "exposed_ms": exposed * 1e3,
                 "exposed_share": exposed / statistics.median(ttft), "handoff_log_ms": handoff,
-                "checks_log_ms": checks, "exposed_log_ms": exposed_log}
+                "checks_log_ms": checks, "checks_landed_log_ms": landed,
+                "exposed_log_ms": exposed_log}
         if args.compare_checks:
             unchecked = per_mode[UNCHECKED][length]
             cost = statistics.median(a - b for a, b in zip(per_mode[planes[0]][length],
@@ -251,16 +256,20 @@ def _print(args, planes: list[str], rows: list[dict]) -> None:
     print(f"model {args.model}, {args.torch_threads} torch threads per service, medians of "
           f"{args.repeats} rounds; exposed = TTFT(plane) - TTFT(local), paired per round")
     print(f"{'prompt':>7} {'plane':>14} {'TTFT ms':>9} {'local ms':>9} {'exposed ms':>11} "
-          f"{'share':>7} {'handoff ms':>11} {'checks ms':>10} {'exposed (log)':>13}")
+          f"{'share':>7} {'handoff ms':>11} {'checks ms':>10} {'landed ms':>10} "
+          f"{'exposed (log)':>13}")
     for r in rows:
         for plane in planes:
             c = r["planes"][plane]
             print(f"{r['prompt_tokens']:>7} {plane:>14} {c['ttft_ms']:>9.1f} "
                   f"{r['ttft_local_ms']:>9.1f} {c['exposed_ms']:>11.1f} "
                   f"{c['exposed_share']:>6.1%} {_ms(c['handoff_log_ms']):>11} "
-                  f"{_ms(c['checks_log_ms']):>10} {_ms(c['exposed_log_ms']):>13}")
-    print("(from decode's log: handoff = queued to verified; exposed (log) = handoff - checks - "
-          "the local prefill's own time, medians, so noisier than the paired TTFTs)")
+                  f"{_ms(c['checks_log_ms']):>10} {_ms(c['checks_landed_log_ms']):>10} "
+                  f"{_ms(c['exposed_log_ms']):>13}")
+    print("(from decode's log: handoff = queued to verified; checks = the content checks after "
+          "the commit, landed = their part run as the KV landed (engine time, hidden behind "
+          "prefill's pass); exposed (log) = handoff - checks - the local prefill's own time, "
+          "medians, so noisier than the paired TTFTs)")
     if any("audits" in r for r in rows):
         print(f"\n{'prompt':>7} {'audit F':>8} {'TTFT ms':>9} {'paired cost ms':>15} "
               f"{'TTFT / TTFT(F0)':>16} {'audit ms (log)':>15}  ({planes[0]})")
