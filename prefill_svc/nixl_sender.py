@@ -3,7 +3,9 @@ prefill's NIXL agent; the chunk frames carry references (address, offsets, lengt
 first chunk the buffer's partial agent metadata) with the same 1.1 checksums, and decode READs
 the bytes into its own memory (a one-sided transfer decode initiates: prefill never writes into
 decode, and decode never exposes its pool). The buffers come from the plane's
-`RegisteredBuffers` and go back to it on release, registered, for a later handoff.
+`RegisteredBuffers` and go back to it on release, registered, for a later handoff. This packed
+path (P-66) serves a GPU pool and every fallback; a host-memory pool's handoffs are READ straight
+from its pages (prefill_svc.nixl_pages_sender, P-68).
 
 `NixlPlane` is the process's agent plus the thread that progresses it: without NIXL's own
 progress thread (it spins a core per agent) a READ against prefill's memory completes only when
