@@ -28,6 +28,7 @@ class PagesPrefillSpec:
     release_grace_s: float = 30.0
     lease_enabled: bool = True
     lease_max_pages: int = 0
+    prefill_chunk_tokens: int = 2048  # less: a prompt's KV over several passes
 
 
 async def _serve(conn, spec: PagesPrefillSpec) -> None:
@@ -62,7 +63,8 @@ async def _serve(conn, spec: PagesPrefillSpec) -> None:
     log = make_logger("prefill", stream=io.StringIO())
     cache = PrefixCache(pool, PrefixCacheConfig(True), counters)
     engine = PrefillEngine(model, pool, layout, spec.pool_tokens, log, counters,
-                           SendBudget(64 << 20), prefix_cache=cache)
+                           SendBudget(64 << 20), prefill_chunk_tokens=spec.prefill_chunk_tokens,
+                           prefix_cache=cache)
     nixl = NixlPlane(agent)
     planes = PlaneOffer(release_grace_s=spec.release_grace_s, nixl=nixl,
                         page_lease=PageLeaseConfig(spec.lease_enabled, spec.lease_max_pages))
