@@ -162,7 +162,9 @@ def _judge_prepared(model: LlamaModel, pool: KvPool, request_id: str, sampling: 
                              device=model.device)
         ids = torch.tensor(prepared.token_ids, dtype=torch.int64, device=model.device)
         audit.check(model, pool, request_id, table, ids, tolerance.depth)
-    depth, layer = _depth_compare(prepared.sent, prepared.mine)
+    errors = prepared.depth_errors  # per layer, measured as each layer landed
+    layer = max(range(len(errors)), key=errors.__getitem__)
+    depth = errors[layer]
     if not depth <= tolerance.depth:
         raise refuse("KV_DEPTH_MISMATCH", f"recomputing prompt positions {prepared.positions} "
                      f"through every layer over the received KV gives layer {layer} K/V that "

@@ -14,7 +14,8 @@ Per handoff attempt (one `ContentPipeline`, created before its first chunk):
   and starts the depth rows (the last position and `depth_positions` others): their embedding;
 - stage l runs the depth rows through layer l over layer l's received KV, exactly the layer of
   `LlamaModel.decode` (its own pieces: `_layer`, `_qkv`, the ops' store and decode attention),
-  and keeps prefill's K/V at the rows' slots and decode's own (D-47);
+  and measures prefill's K/V at the rows' slots against decode's own (D-47, the measure of
+  the checks after the commit, `content_check._depth_compare`);
 - after the last layer, the logits of the rows (the last position first, D-48).
 The verdict (`check_content` with `prepared`) is only drawn after the commit was verified and
 the KV found finite, in the order the SPEC gives, so a refusal's reason is the one the checks
@@ -57,8 +58,7 @@ class ContentPipeline:
         self.done_at: float | None = None  # time.monotonic() when the last stage ended
         self.layer0_error = float("nan")
         self.positions: list[int] = []
-        self.sent: list[torch.Tensor] = []  # per layer: [2, m, Hkv, D], prefill's
-        self.mine: list[torch.Tensor] = []  # per layer: [2, m, Hkv, D], decode's own
+        self.depth_errors: list[float] = []  # per layer, content_check._depth_compare's
         self._x = self._residual = None
         self.logits: torch.Tensor | None = None  # [m, vocab] float32, the last position first
 
@@ -110,7 +110,7 @@ class ContentPipeline:
         if layer == 0:
             self._start(model, pool, pages, table, n)
         k_layer, v_layer = pool.k[layer], pool.v[layer]  # [P, S, Hkv, D]
-        self.sent.append(self._gather(k_layer, v_layer))
+        sent = self._gather(k_layer, v_layer)  # [2, m, Hkv, D]: prefill's, before the step
 
         def attend(at: int, h: torch.Tensor) -> torch.Tensor:
             q, k, v = model._qkv(at, h, self._where)
@@ -120,8 +120,8 @@ class ContentPipeline:
             return out.reshape(out.shape[0], -1)
 
         self._x, self._residual = model._layer(layer, self._x, self._residual, attend)
-        self.mine.append(self._gather(k_layer, v_layer))
-        sent = self.sent[-1]
+        mine = self._gather(k_layer, v_layer)  # [2, m, Hkv, D]: decode's own
+        self.depth_errors.append(content_check._depth_compare((sent,), (mine,))[0])
         k_layer.flatten(0, 1).index_copy_(0, self._slots, sent[0])  # prefill's values back
         v_layer.flatten(0, 1).index_copy_(0, self._slots, sent[1])
         if layer == self.num_layers - 1:
