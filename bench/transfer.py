@@ -9,7 +9,7 @@ which also serves the bare transports. This process is decode (bench/transfer_se
 the real receive path and `DecodeEngine` writing every chunk into its own pool;
 bench/transfer_bare.py: the bare clients). Rows, interleaved in every repeat:
 
-    inline          services, KV in the gRPC frames     baseline: tcp
+    inline          services, KV in the gRPC frames     baseline: bare-grpc
     shared-memory   services, references to a region    baseline: bare-shared-memory
     tcp             raw socket                          baseline: itself
     bare-grpc       grpc.aio stream of 4 MiB messages   baseline: tcp
@@ -40,7 +40,7 @@ import torch
 from bench.cpu_clock import CpuMeter
 from bench.synthetic_prefill import PAGE_SIZE, SyntheticSpec, serve_in_process
 from bench.transfer_bare import BareGrpc, shm_receive, socket_receive
-from bench.transfer_services import TWO_PASS, DecodeSide
+from bench.transfer_services import INLINE_3PASS, TWO_PASS, DecodeSide
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES, KvLayout
 from common.handoff.planes import SHARED_MEMORY
 from common.malloc_tuning import keep_freed_heap
@@ -94,7 +94,10 @@ def default_repeats(size: int) -> int:
 
 
 async def measure(layout: KvLayout, sizes: list[int], repeats: int, ports: dict,
-                  max_chunk_bytes: int, progress, shm_two_pass: bool = False) -> list[dict]:
+                  max_chunk_bytes: int, progress, shm_two_pass: bool = False,
+                  only: frozenset[str] = frozenset(), inline_3pass: bool = False
+                  ) -> list[dict]:
+    """only: the rows to run (their baselines always run too); empty: every row."""
     per_token = layout.kv_bytes_per_token
     meter = CpuMeter(ports["pid"])
     side = DecodeSide(layout, max(-(-s // per_token) for s in sizes),
@@ -114,6 +117,12 @@ async def measure(layout: KvLayout, sizes: list[int], repeats: int, ports: dict,
             if shm_two_pass:
                 transports.insert(2, Transport("shared-memory-2pass", "bare-shared-memory",
                                                lambda n, t=tokens: side.handoff(t, TWO_PASS)))
+            if inline_3pass:
+                transports.insert(1, Transport(INLINE_3PASS, "bare-grpc",
+                                               lambda n, t=tokens: side.handoff(t, INLINE_3PASS)))
+            if only:
+                keep = only | {t.baseline for t in transports if t.name in only} | {"tcp"}
+                transports = [t for t in transports if t.name in keep]
             reps = repeats or default_repeats(nbytes)
             times: dict[str, list[float]] = {t.name: [] for t in transports}
             cpu: dict[str, list[tuple[float, float]]] = {t.name: [] for t in transports}
@@ -143,7 +152,7 @@ async def measure(layout: KvLayout, sizes: list[int], repeats: int, ports: dict,
 def _builtin(side: DecodeSide, sock: socket.socket, shm_sock: socket.socket,
              bare_grpc: BareGrpc, tokens: int, buffer: bytearray) -> list[Transport]:
     return [
-        Transport("inline", "tcp", lambda n: side.handoff(tokens, "inline")),
+        Transport("inline", "bare-grpc", lambda n: side.handoff(tokens, "inline")),
         Transport("shared-memory", "bare-shared-memory",
                   lambda n: side.handoff(tokens, SHARED_MEMORY)),
         Transport("tcp", "tcp", lambda n: _sync(socket_receive(sock, n, buffer))),
@@ -209,7 +218,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shm-two-pass", action="store_true",
                    help="add a shared-memory row with the CRC and finiteness as two passes "
                    "(before decode_svc.payload_pass), side by side with the one pass")
+    p.add_argument("--inline-3pass", action="store_true",
+                   help="add an inline row with the engine's write path (the verifier's CRC, "
+                   "then the finiteness check and the copy on the engine thread), side by side "
+                   "with the one pass into the pages")
     p.add_argument("--no-nixl", action="store_true", help="skip the NIXL plane's rows")
+    p.add_argument("--only", default="", help="comma-separated rows to run (with their "
+                   "baselines and tcp), e.g. inline,bare-grpc; empty: all")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
     if args.torch_threads > 0:
@@ -219,6 +234,7 @@ def main(argv: list[str]) -> int:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError as err:
         p.error(str(err))
+    only = frozenset(s.strip() for s in args.only.split(",") if s.strip())
     layout = KvLayout(args.layers, args.kv_heads, args.head_dim, DTYPES[args.dtype])
     pool_tokens = max(-(-s // layout.kv_bytes_per_token) for s in sizes)
     pool_tokens = -(-pool_tokens // PAGE_SIZE) * PAGE_SIZE
@@ -238,7 +254,7 @@ def main(argv: list[str]) -> int:
 
         results = run_async(lambda: measure(layout, sizes, args.repeats, ports,
                                             args.max_chunk_bytes, progress,
-                                            args.shm_two_pass))
+                                            args.shm_two_pass, only, args.inline_3pass))
         if not args.no_nixl:
             from bench.transfer_nixl import add_nixl_rows  # the NIXL plane's rows, own process
             add_nixl_rows(layout, sizes, args.repeats, results, args.torch_threads, progress)

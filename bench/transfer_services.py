@@ -30,6 +30,7 @@ from decode_svc.prefill_client import PrefillClient
 from decode_svc.shm_receiver import SharedMemoryReceiver
 
 TWO_PASS = "shared-memory-2pass"  # the shared-memory receiver with its checks as two passes
+INLINE_3PASS = "inline-3pass"  # the inline receiver with the engine's write path (no landing)
 
 
 class DecodeSide:
@@ -48,6 +49,8 @@ class DecodeSide:
                                    counters=Counters())
         self.client = PrefillClient(address, max_chunk_bytes, None)
         self.receivers = {"inline": InlineReceiver(self.client, self.engine),
+                          INLINE_3PASS: InlineReceiver(self.client, self.engine,
+                                                       in_place=False),
                           SHARED_MEMORY: SharedMemoryReceiver(self.client, self.engine,
                                                               DEFAULT_SHM_DIR),
                           TWO_PASS: SharedMemoryReceiver(self.client, self.engine,

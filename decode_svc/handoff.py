@@ -25,7 +25,9 @@ from common.handoff.verifier import (Expectation, HandoffState, HandoffVerifier,
 from common.pb.kvhandoff.v1 import handoff_pb2
 from decode_svc.content_check import ContentCheckConfig
 from decode_svc.engine import DecodeEngine
+from decode_svc.inline_landing import InlineLanding
 from decode_svc.kv_receiver import HandoffJob, KvReceiver, LandedKv
+from decode_svc.page_landing import PageLanding
 from decode_svc.prefill_client import PrefillClient
 from decode_svc.prefill_replicas import PrefillReplicas
 
@@ -133,17 +135,26 @@ def _inline_only(frame):
 
 
 class InlineReceiver(KvReceiver):
-    """The portable plane every peer speaks: K and V bytes inside the gRPC chunk frames."""
+    """The portable plane every peer speaks: K and V bytes inside the gRPC chunk frames. With a
+    CPU pool each chunk lands in the pages with its checks in one pass (decode_svc.
+    inline_landing) unless in_place is False (the engine's write path, kept for the bench)."""
 
     plane = "inline"
 
-    def __init__(self, client: PrefillClient, engine: DecodeEngine) -> None:
+    def __init__(self, client: PrefillClient, engine: DecodeEngine, in_place: bool = True
+                 ) -> None:
         self.client = client
         self.engine = engine
+        self.pages = PageLanding(engine.pool)
+        self.in_place = in_place and self.pages.in_place
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
+        if not self.in_place:
+            return await receive_handoff(self.client, self.engine, job.request, job.expect,
+                                         job.timeout_s, record)
+        landing = InlineLanding(job.expect, self.engine, self.pages, _inline_only, write_chunk)
         return await receive_handoff(self.client, self.engine, job.request, job.expect,
-                                     job.timeout_s, record)
+                                     job.timeout_s, record, landing.resolve, landing.deliver)
 
 
 def _refusal_from_rpc_error(err: grpc.aio.AioRpcError, verifier: HandoffVerifier,
