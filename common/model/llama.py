@@ -27,6 +27,22 @@ def _is_projection(name: str) -> bool:
     return name.endswith("_proj.weight")
 
 
+def _own_pages(batch: PrefillBatch, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill batch -> (page_table [B, W] int32, seq_lens [B] int32): each sequence's pages
+    in token order and its tokens in them once this pass stored its KV. A chunk batch has its
+    table; a whole prompt's pages are read off slot_mapping at each page's first token (token
+    t of a prompt sits at slot pages[t // S] * S + t % S)."""
+    lens = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]  # [B]
+    if batch.page_table is not None:
+        return batch.page_table, (batch.context_lens + lens).to(torch.int32)
+    starts = batch.cu_seqlens[:-1].long()  # [B]
+    width = -(-batch.max_seqlen // page_size)
+    firsts = starts[:, None] + torch.arange(width, device=starts.device)[None, :] * page_size
+    firsts = torch.minimum(firsts, (starts + lens.long() - 1)[:, None])  # [B, W], in the prompt
+    table = torch.div(batch.slot_mapping[firsts], page_size, rounding_mode="floor")
+    return table.to(torch.int32), lens.to(torch.int32)
+
+
 class LlamaModel:
     """Stateless over requests: every forward reads and writes KV only through the given caches."""
 
@@ -93,8 +109,9 @@ class LlamaModel:
 
     def _layer(self, layer: int, x, residual, attend: Callable,
                keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """keep: [B] rows of the T tokens whose output is wanted (None: all); the layer's
-        attention, and so its KV, still covers every token."""
+        """keep: [B] rows of the T tokens whose output is wanted (None: all); the layer's KV
+        still covers every token, and attend(layer, h, keep) computes attention for those rows
+        only."""
         p = f"model.layers.{layer}"
         eps = self.config.rms_norm_eps
         if residual is None:  # first layer: the embeddings are the residual stream
@@ -103,9 +120,10 @@ class LlamaModel:
         else:
             h, residual = self.ops.rmsnorm(
                 x, self.w[f"{p}.input_layernorm.weight"], eps, residual)
-        attn = attend(layer, h)  # [T, Hq * D]
-        if keep is not None:  # row-wise from here on: the other rows' outputs go unread
-            attn, residual = attn[keep], residual[keep]  # [B, Hq * D], [B, H]
+        if keep is None:
+            attn = attend(layer, h)  # [T, Hq * D]
+        else:  # row-wise from here on: the other rows' outputs go unread
+            attn, residual = attend(layer, h, keep), residual[keep]  # [B, Hq * D], [B, H]
         attn = self._linear(attn, f"{p}.self_attn.o_proj")
         h, residual = self.ops.rmsnorm(
             attn, self.w[f"{p}.post_attention_layernorm.weight"], eps, residual)
@@ -128,12 +146,17 @@ class LlamaModel:
         if (batch.page_table is None) != (batch.context_lens is None):
             raise ValueError("PrefillBatch: page_table and context_lens come together")
 
-        def attend(layer: int, h: torch.Tensor) -> torch.Tensor:
+        def attend(layer: int, h: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
             q, k, v = self._qkv(layer, h, batch.positions)
             self.ops.store_kv(k, v, k_cache[layer], v_cache[layer], batch.slot_mapping)
             if on_layer_stored is not None:
                 on_layer_stored(layer)
-            if batch.page_table is None:
+            if rows is not None:  # only these rows' outputs are read: one query each, over
+                # the sequence's pages (all of it is stored by now), as a decode step reads
+                table, lens = _own_pages(batch, k_cache.shape[2])
+                out = self.ops.decode_attention(q[rows], k_cache[layer], v_cache[layer], table,
+                                                lens, self.scale)  # [B, Hq, D]
+            elif batch.page_table is None:
                 out = self.ops.prefill_attention(q, k, v, batch.cu_seqlens, batch.max_seqlen,
                                                  self.scale)
             else:
