@@ -102,12 +102,13 @@ class InlineLanding:
         return WireChunkFrame(replace(chunk, k=k, v=v))
 
     def deliver(self, chunk: VerifiedChunk) -> None:
-        """A verified chunk already in the pages: tell the engine (with nothing left to check
-        when the pass found every value finite, else all its pieces, so the engine's own check
-        refuses it as before); bytes protobuf parsed: the engine's write path."""
+        """A verified chunk already in the pages: nothing to tell the engine when the pass found
+        every value finite (its finiteness record of a request starts at "all finite", and a
+        Landed of no pieces would only wake its thread to keep it so); otherwise all its pieces,
+        so the engine's own check refuses the handoff as before. Bytes protobuf parsed: the
+        engine's write path."""
         if isinstance(chunk.k, ScatteredBytes):
-            finite = self._finite.pop((chunk.layer, chunk.token_start), False)
-            unchecked = () if finite else chunk.k.pieces + chunk.v.pieces
-            self.engine.landed(self.expect.request_id, unchecked)
+            if not self._finite.pop((chunk.layer, chunk.token_start), False):
+                self.engine.landed(self.expect.request_id, chunk.k.pieces + chunk.v.pieces)
         else:
             self.write(self.engine, self.expect.request_id, chunk)
