@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -158,7 +159,9 @@ class DecodeEngine:
                                      awaiting=bool(self._awaiting_kv))
             if self._running:
                 try:
+                    started = time.perf_counter()
                     self._step_or_fail()
+                    self._cores.step_done(time.perf_counter() - started)
                 except Exception as exc:  # even a failing failure path must not kill the thread
                     self.log.exception("decode_engine_error", error=str(exc))
 

@@ -229,7 +229,7 @@ class PrefillEngine:
         jobs = [s.job for s in plan]
         try:
             started = time.monotonic()
-            with self._cores.prefill_pass():
+            with self._cores.prefill_pass(sum(s.num_tokens for s in plan)):
                 logits = self._forward(plan)  # [len(plan), vocab]
             self.metrics.prefill(time.monotonic() - started, sum(s.num_tokens for s in plan),
                                  len(plan))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.counters import Counters
+from common.server.borrow_guard import BorrowGuard, BorrowGuardConfig
 from common.server.core_borrowing import CoreBorrowing, CoreBorrowingConfig, _BusyLock
 
 
@@ -53,10 +54,10 @@ def test_prefill_borrows_for_a_pass_only_while_decode_idles(tmp_path):
     decode, prefill, _ = _pair(tmp_path)
     torch.set_num_threads(1)
     decode.decode_state(computing=True, awaiting=True)
-    with prefill.prefill_pass():
+    with prefill.prefill_pass(1024):
         assert torch.get_num_threads() == 1  # decode computes: prefill keeps its own threads
     decode.decode_state(computing=False, awaiting=True)
-    with prefill.prefill_pass():
+    with prefill.prefill_pass(1024):
         assert torch.get_num_threads() == 2
         assert not _free(tmp_path / "decode.busy")  # held for the pass
         decode.decode_state(computing=True, awaiting=False)  # decode never waits for it
@@ -72,7 +73,7 @@ def test_prefill_borrows_for_a_pass_only_while_decode_idles(tmp_path):
 def test_a_pass_that_raises_gives_the_file_and_the_threads_back(tmp_path):
     _, prefill, _ = _pair(tmp_path)
     torch.set_num_threads(1)
-    with pytest.raises(RuntimeError), prefill.prefill_pass():
+    with pytest.raises(RuntimeError), prefill.prefill_pass(1024):
         raise RuntimeError("pass failed")
     assert torch.get_num_threads() == 1 and _free(tmp_path / "decode.busy")
     prefill.close()
@@ -84,7 +85,53 @@ def test_a_disabled_one_opens_nothing_and_changes_no_thread_count(tmp_path):
                    CoreBorrowingConfig(0, 1, str(tmp_path / "b"))):
         off = CoreBorrowing(config)
         off.decode_state(computing=True, awaiting=False)
-        with off.prefill_pass():
+        with off.prefill_pass(1024):
             assert torch.get_num_threads() == 1
         off.close()
     assert not (tmp_path / "b").exists()
+
+
+def test_prefill_keeps_its_own_threads_for_a_short_pass(tmp_path):
+    _, prefill, _ = _pair(tmp_path)
+    torch.set_num_threads(1)
+    with prefill.prefill_pass(prefill.config.min_borrow_tokens - 1):
+        assert torch.get_num_threads() == 1 and _free(tmp_path / "decode.busy")
+    prefill.close()
+
+
+def _run_steps(guard: BorrowGuard, n: int, borrowed_s: float, own_s: float) -> list[bool]:
+    """n steps, each as the guard advises, taking borrowed_s or own_s; the advice given."""
+    advice = []
+    for _ in range(n):
+        borrow = guard.wants_borrow()
+        advice.append(borrow)
+        guard.step_done(borrowed_s if borrow else own_s, borrow)
+    return advice
+
+
+def test_the_guard_probes_and_keeps_borrowing_that_pays():
+    config = BorrowGuardConfig(probe_every=8, probe_steps=2, min_gain=1.1, backoff_steps=20)
+    counters = Counters()
+    advice = _run_steps(BorrowGuard(config, counters), 30, borrowed_s=0.006, own_s=0.010)
+    assert advice[:8] == [True] * 8 and advice[8:10] == [False, False]  # one probe of 2
+    assert advice[10:18] == [True] * 8 and advice[18:20] == [False, False]
+    assert counters.get("core_borrow_backoffs") == 0
+
+
+def test_the_guard_backs_off_when_borrowed_steps_are_no_faster():
+    config = BorrowGuardConfig(probe_every=8, probe_steps=2, min_gain=1.1, backoff_steps=20)
+    counters = Counters()
+    advice = _run_steps(BorrowGuard(config, counters), 40, borrowed_s=0.012, own_s=0.010)
+    assert advice[:8] == [True] * 8
+    assert advice[8:30] == [False] * 22  # the probe, then the back-off
+    assert advice[30:38] == [True] * 8  # borrowing again, probed again after
+    assert advice[38:40] == [False, False]
+    assert counters.get("core_borrow_backoffs") == 2
+
+
+def test_own_thread_steps_outside_a_probe_do_not_count_against_borrowing():
+    config = BorrowGuardConfig(probe_every=4, probe_steps=2, min_gain=1.1, backoff_steps=20)
+    guard = BorrowGuard(config)
+    for _ in range(10):  # a handoff in flight: own threads, not by the guard's advice
+        guard.step_done(0.001, borrowed=False)
+    assert _run_steps(guard, 4, borrowed_s=0.006, own_s=0.010) == [True] * 4
