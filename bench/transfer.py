@@ -14,6 +14,7 @@ bench/transfer_bare.py: the bare clients). Rows, interleaved in every repeat:
     tcp             raw socket                          baseline: itself
     bare-grpc       grpc.aio stream of 4 MiB messages   baseline: tcp
     bare-shared-memory  region + announced pieces       baseline: tcp
+    inline-3pass    (--inline-3pass) inline through the engine's write path, the old decode side
 
 `ratio` is the row's median GB/s over its baseline's median in the same run; `ratio_vs_tcp`
 too. Another plane adds its rows through `extra_transports` (a module bench/transfer_<plane>.py

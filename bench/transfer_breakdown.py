@@ -8,8 +8,10 @@ straight between the pages and the transport), side by side in one run.
 Prefill: pack out of the pages, crc32c, the inline frame, the write into a shared-memory region.
 Decode: crc32c over its copy, the finiteness check, the copy into the pages (before: a write
 tensor by bytes_to_kv, then unpack_kv; now: one row copy from the received bytes), and the
-pread out of a region; now also the preadv of a region straight into the pages. Steps a path
-does not have show as "-".
+pread out of a region; now also the preadv of a region straight into the pages, and the inline
+plane's one pass (decode_svc.inline_landing: the copy into the pages with the CRC and the
+finiteness check over each block just written, in place of the three rows above it). Steps a
+path does not have show as "-".
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from common.kernels.pack_kv import (pack_kv_cpu, pack_kv_reference, unpack_kv_by
                                     unpack_kv_reference)
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from decode_svc.finite_bits import all_finite_bytes
+from decode_svc.inline_landing import land_payload
 
 PAGE = 16
 
@@ -109,7 +112,12 @@ def steps(layout: KvLayout, pool: KvPool, tokens: int, reps: int, shm_dir: str) 
         reader.close()
     finally:
         writer.close()
-    return result + [("prefill pwrite K+V into the region", pwrite, pwrite, pwritev),
+    landing_k = kv_pieces(cache_bytes(pool.k[0]), cache_bytes(pool.v[0]),  # a reservation's
+                          layout.k_bytes_per_token_per_layer, np_table, PAGE, 0, tokens)
+    one_pass = _per_chunk(reps, lambda i: land_payload(wire_k, wire_v, landing_k.k, landing_k.v,
+                                                       layout.dtype))
+    return result + [("decode inline: copy+crc+finite, 1 pass", None, None, one_pass),
+                     ("prefill pwrite K+V into the region", pwrite, pwrite, pwritev),
                      ("decode preadv K+V into its buffer", pread, pread, None),
                      ("decode preadv K+V into its pages", None, None, scatter)]
 
