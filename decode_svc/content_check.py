@@ -128,7 +128,7 @@ def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: l
     table = torch.tensor(pages, dtype=torch.int32, device=device)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     layer0 = _layer0_error(model, pool, table, ids)
-    if layer0 > tolerance.layer0:
+    if not layer0 <= tolerance.layer0:  # a NaN error refuses too
         raise refuse("KV_LAYER0_MISMATCH", f"layer 0 K/V differ from decode's own computation "
                      f"of the prompt by {layer0:.3g} (tolerance {tolerance.layer0:g}): the KV "
                      "is not the KV of the prompt decode sent")
@@ -137,7 +137,7 @@ def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: l
     others = rng.sample(range(n - 1), min(config.depth_positions, n - 1))
     positions = [n - 1, *sorted(others)]
     depth, layer, logits = _depth_error(model, pool, pages, table, ids, positions)
-    if depth > tolerance.depth:
+    if not depth <= tolerance.depth:
         raise refuse("KV_DEPTH_MISMATCH", f"recomputing prompt positions {positions} through "
                      f"every layer over the received KV gives layer {layer} K/V that differ by "
                      f"{depth:.3g} from what prefill sent (tolerance {tolerance.depth:g})")

@@ -119,11 +119,13 @@ class ContentPipeline:
                                              model.scale)
             return out.reshape(out.shape[0], -1)
 
-        self._x, self._residual = model._layer(layer, self._x, self._residual, attend)
-        mine = self._gather(k_layer, v_layer)  # [2, m, Hkv, D]: decode's own
-        self.depth_errors.append(content_check._depth_compare((sent,), (mine,))[0])
-        k_layer.flatten(0, 1).index_copy_(0, self._slots, sent[0])  # prefill's values back
-        v_layer.flatten(0, 1).index_copy_(0, self._slots, sent[1])
+        try:
+            self._x, self._residual = model._layer(layer, self._x, self._residual, attend)
+            mine = self._gather(k_layer, v_layer)  # [2, m, Hkv, D]: decode's own
+            self.depth_errors.append(content_check._depth_compare((sent,), (mine,))[0])
+        finally:  # prefill's values back, whatever failed: the pages hold what arrived
+            k_layer.flatten(0, 1).index_copy_(0, self._slots, sent[0])
+            v_layer.flatten(0, 1).index_copy_(0, self._slots, sent[1])
         if layer == self.num_layers - 1:
             self.logits = model._logits(self._x, self._residual)
             self._x = self._residual = None

@@ -144,3 +144,31 @@ def test_a_released_request_stops_the_stages(model):
     for chunk in _chunks(model.config.num_layers, False):
         pipeline.on_chunk(chunk)
     assert pipeline.failed and not pipeline.complete and pipeline.cursor == 0
+
+
+def test_a_stage_that_fails_leaves_the_pages_as_they_arrived(model, monkeypatch):
+    import decode_svc.content_check as content_check
+
+    ids = _ids(model)
+    pool = _landed(model, ids)
+    before = (pool.k.clone(), pool.v.clone())
+    real, calls = content_check._depth_compare, []
+
+    def fails_at_layer_1(sent, mine):
+        calls.append(1)
+        if len(calls) == 2:  # after layer 1's rows were stored into the pages
+            raise RuntimeError("stage failed")
+        return real(sent, mine)
+    monkeypatch.setattr(content_check, "_depth_compare", fails_at_layer_1)
+
+    class LoggingEngine(InlineEngine):  # as the engine's after_writes: a failure is logged
+        def after_writes(self, then) -> None:
+            try:
+                super().after_writes(then)
+            except RuntimeError:
+                pass
+    pipeline = ContentPipeline(LoggingEngine(model, pool), "r", ids, 4, random.Random(1))
+    for chunk in _chunks(model.config.num_layers, False):
+        pipeline.on_chunk(chunk)
+    assert pipeline.failed and not pipeline.complete and len(calls) == 2
+    assert torch.equal(pool.k, before[0]) and torch.equal(pool.v, before[1])  # as arrived
