@@ -51,9 +51,13 @@ PACK_FOR_ROWS = 8  # the row count oneDNN tunes the packed layout for (a full 8-
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    """A float32 or bfloat16 weight on a CPU whose torch has oneDNN."""
-    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """A float32 weight on a CPU whose torch has oneDNN, or a bfloat16 one on a CPU whose oneDNN
+    has bfloat16 kernels (AVX512-BF16 / AMX: elsewhere F.linear keeps the plain weight)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 def packed_rows(weight: torch.Tensor) -> range:

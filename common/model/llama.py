@@ -151,8 +151,8 @@ class LlamaModel:
             self.ops.store_kv(k, v, k_cache[layer], v_cache[layer], batch.slot_mapping)
             if on_layer_stored is not None:
                 on_layer_stored(layer)
-            if rows is not None:  # only these rows' outputs are read: one query each, over
-                # the sequence's pages (all of it is stored by now), as a decode step reads
+            if rows is not None and batch.kv_stored:  # only these rows' outputs are read: one
+                # query each, over the sequence's pages (all stored by now), as decode reads
                 table, lens = _own_pages(batch, k_cache.shape[2])
                 out = self.ops.decode_attention(q[rows], k_cache[layer], v_cache[layer], table,
                                                 lens, self.scale)  # [B, Hq, D]
@@ -163,6 +163,8 @@ class LlamaModel:
                 out = self.ops.paged_prefill_attention(
                     q, k_cache[layer], v_cache[layer], batch.page_table, batch.cu_seqlens,
                     batch.context_lens, batch.max_seqlen, self.scale)
+            if rows is not None and not batch.kv_stored:
+                out = out[rows]  # [B, Hq, D]
             return out.reshape(out.shape[0], -1)
 
         x = F.embedding(batch.token_ids, self.w["model.embed_tokens.weight"])  # [T, H]

@@ -31,7 +31,9 @@ class PrefillBatch:
     order) and context_lens: [B] int32 (tokens of sequence b already in its pages before this
     chunk); its queries then attend to those tokens as well as causally within the chunk, all
     read from the pages. Without a page table (both None) each sequence is a whole prompt and
-    attends only to itself. positions of sequence b must start at context_lens[b]."""
+    attends only to itself. positions of sequence b must start at context_lens[b].
+    kv_stored False: the stores are skipped (every slot -1, e.g. measuring the activation peak
+    without a pool), so nothing may be read back from the caches."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
@@ -40,6 +42,7 @@ class PrefillBatch:
     max_seqlen: int
     context_lens: torch.Tensor | None = None
     page_table: torch.Tensor | None = None
+    kv_stored: bool = True
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,7 @@ def measure_activation_peak(model: CausalLM, num_tokens: int) -> int:
         positions=torch.arange(num_tokens, dtype=torch.int64, device=device),
         slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
         cu_seqlens=torch.tensor([0, num_tokens], dtype=torch.int32, device=device),
-        max_seqlen=num_tokens)
+        max_seqlen=num_tokens, kv_stored=False)
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)

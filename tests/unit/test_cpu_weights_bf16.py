@@ -16,8 +16,9 @@ from common.ops.cpu_ops import CpuOps
 from common.ops.torch_ops import TorchOps
 from tests.helpers.checkpoints import SPECS, make_checkpoint
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
-                                reason="torch without oneDNN")
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+    reason="torch without oneDNN bfloat16 kernels on this CPU")
 PAGE = 16
 
 
