@@ -40,7 +40,8 @@ def pairs(tmp_path_factory):
     inline = start_cluster(root / "inline", "demo", common_flags=FLAGS, decode_flags=DECODE)
     try:
         nixl = start_cluster(root / "nixl", "demo", common_flags=FLAGS,
-                             prefill_flags=["--release-grace-s", "30", "--no-shared-memory"],
+                             prefill_flags=["--release-grace-s", "30", "--no-shared-memory",
+                                            "--nixl-from-pages"],
                              decode_flags=[*DECODE, "--data-plane", "nixl"], env=LOOPBACK_UCX)
     except Exception:
         inline.stop()
