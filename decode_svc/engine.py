@@ -140,6 +140,7 @@ class DecodeEngine:
     def _run(self) -> None:
         """Alternates: up to COMMANDS_PER_STEP queued commands, then one step of the running
         batch, so a long handoff's writes never freeze the sequences already generating."""
+        self._cores.on_engine_thread()
         while True:
             handled = 0
             while handled < COMMANDS_PER_STEP:

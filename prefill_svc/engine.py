@@ -146,6 +146,7 @@ class PrefillEngine:
 
     def _run(self) -> None:
         stalled = False  # last round planned nothing: wait for news instead of spinning
+        self._cores.on_engine_thread()
         while True:
             idle = not self._waiting and not self._jobs
             try:

@@ -45,6 +45,8 @@ class CoreBorrowingConfig:
     borrowed_threads: int = 0  # extra threads while the peer is idle (0: never borrow)
     busy_file: str = ""  # the lock file both services of the pair name
     min_borrow_tokens: int = 512  # prefill: the shortest pass that borrows
+    own_cpus: tuple[int, ...] = ()  # the engine thread stays on these ((): wherever it runs)
+    borrowed_cpus: tuple[int, ...] = ()  # where the borrowed threads may run
 
     @property
     def enabled(self) -> bool:
@@ -86,9 +88,31 @@ class CoreBorrowing:
         self._lock = _BusyLock(config.busy_file) if config.enabled and config.busy_file else None
         self._threads = config.own_threads
         self._guard = BorrowGuard(counters=counters)
+        self._workers_started = False
+
+    def _start_workers(self, threads: int) -> None:
+        """The engine thread's first borrow: torch's worker threads start from this thread and
+        take its CPU mask, so they start while it may run on own and borrowed CPUs; then the
+        engine thread goes back to its own, and only the workers reach the borrowed ones."""
+        self._workers_started = True
+        if not self.config.own_cpus:
+            return
+        os.sched_setaffinity(0, (*self.config.own_cpus, *self.config.borrowed_cpus))
+        torch.set_num_threads(threads)
+        a = torch.ones(256, 256)
+        _ = a @ a  # a parallel op: the team of `threads` exists from here on
+        os.sched_setaffinity(0, self.config.own_cpus)
+
+    def on_engine_thread(self) -> None:
+        """Called once by the engine thread when it starts: it runs on its own CPUs only (the
+        process may run on the borrowed ones too, for the workers)."""
+        if self.config.enabled and self.config.own_cpus:
+            os.sched_setaffinity(0, self.config.own_cpus)
 
     def _use(self, threads: int) -> None:
         if threads != self._threads:
+            if threads > self.config.own_threads and not self._workers_started:
+                self._start_workers(threads)
             torch.set_num_threads(threads)
             self._threads = threads
             if self._counters is not None and threads > self.config.own_threads:

@@ -16,7 +16,8 @@ from common.model.loader import load_model
 from common.model.protocol import CausalLM
 from common.model.registry import build_model
 from common.server.core_borrowing import CoreBorrowingConfig
-from common.server.cpu_placement import apply_cpu_placement, borrowable_cpus, format_cpu_list
+from common.server.cpu_placement import (apply_cpu_placement, borrowable_cpus,
+                                         check_cpu_affinity, format_cpu_list)
 from common.ops.select import make_ops, resolve_backend, triton_is_interpreted
 
 
@@ -44,7 +45,9 @@ def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runti
     threads, cpus = apply_cpu_placement(config.torch_threads, config.cpu_affinity,
                                         config.borrow_cpus)
     borrowed = borrowable_cpus(config.cpu_affinity, config.borrow_cpus)
-    cores = CoreBorrowingConfig(threads, len(borrowed), config.busy_file)
+    own = check_cpu_affinity(config.cpu_affinity) if config.cpu_affinity else ()
+    cores = CoreBorrowingConfig(threads, len(borrowed), config.busy_file, own_cpus=own,
+                                borrowed_cpus=borrowed)
     log.info("cpu_placement", torch_threads=threads, cpus=format_cpu_list(cpus),
              borrowed_cpus=format_cpu_list(borrowed) if cores.enabled else "")
     device = config.torch_device()

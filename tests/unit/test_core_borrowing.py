@@ -135,3 +135,29 @@ def test_own_thread_steps_outside_a_probe_do_not_count_against_borrowing():
     for _ in range(10):  # a handoff in flight: own threads, not by the guard's advice
         guard.step_done(0.001, borrowed=False)
     assert _run_steps(guard, 4, borrowed_s=0.006, own_s=0.010) == [True] * 4
+
+
+def test_the_engine_thread_stays_on_its_own_cpus_and_the_workers_reach_the_borrowed(tmp_path):
+    import os
+    import threading
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    config = CoreBorrowingConfig(own_threads=1, borrowed_threads=1,
+                                 busy_file=str(tmp_path / "decode.busy"), own_cpus=(cpus[0],),
+                                 borrowed_cpus=(cpus[1],))
+    seen = {}
+
+    def engine() -> None:
+        cores = CoreBorrowing(config)
+        cores.on_engine_thread()
+        seen["idle"] = os.sched_getaffinity(0)
+        cores.decode_state(computing=True, awaiting=False)  # borrows: the workers start
+        seen["borrowing"] = (os.sched_getaffinity(0), torch.get_num_threads())
+        cores.close()
+    thread = threading.Thread(target=engine)
+    thread.start()
+    thread.join()
+    assert seen["idle"] == {cpus[0]}
+    assert seen["borrowing"] == ({cpus[0]}, 2)
