@@ -47,6 +47,7 @@ from bench.serve_client import RequestSpec, run_one
 from bench.servers import model_vocab_size, start_deployment
 from common.pb.kvhandoff.v1 import generate_pb2_grpc
 from common.server.grpc_server import run_async
+from common.server.launch import ServiceStartError
 
 DEMO_WINDOW = 4096
 UNCHECKED = "disaggregated-unchecked"
@@ -187,6 +188,9 @@ def main(argv: list[str]) -> int:
             local_s = log_seconds(logs["local"], "prefilled_locally")
             audit_s = {name: log_seconds(logs[name], "full_audit")
                        for name in [planes[0], *audits]}
+        except ServiceStartError as err:  # e.g. a length past the model's window: one line
+            print(f"\nkvhandoff bench ttft: {err}", file=sys.stderr)
+            return 2
         finally:
             for deployment in deployments.values():
                 deployment.stop()
