@@ -338,6 +338,7 @@ class PrefillEngine:
                 raise _PassCancelled()
             for piece, table in live:
                 self._emit_layer(piece.job, table, layer, piece.job.streamed_tokens, piece.end)
+            self._cores.prefill_layer()  # decode got busy: the rest of the pass on its own
 
         return self.model.prefill(prefill, self.pool.k, self.pool.v, on_layer_stored)
 

@@ -10,7 +10,9 @@ side is known to be idle, and drops back to `own` otherwise:
   the KV has arrived (`awaiting`). While nothing awaits KV it borrows prefill's cores;
 - prefill cannot see decode's batch, so decode holds an advisory lock (flock) on a file, the
   *busy file*, whenever it has sequences running or KV to check; prefill borrows decode's cores
-  for one pass only if it can take that lock, and holds it for the pass.
+  for a pass only if that lock is free when the pass starts (it takes and drops it at once:
+  holding it for the pass would lock decode out of its own signal while prefill's passes run
+  back to back), and goes back to its own threads after the first layer that finds it held.
 
 Borrowed threads pay only while the borrowed cores are free: decode checks its own steps with
 and without them now and then and stops borrowing for a while when they do not
@@ -141,12 +143,19 @@ class CoreBorrowing:
             self._guard.step_done(seconds, self._threads > self.config.own_threads)
 
     # ---- prefill ----
+    def _decode_idle(self) -> bool:
+        """Whether decode holds no busy file now (taken and given back at once)."""
+        if self._lock is None or not self._lock.try_take():
+            return False
+        self._lock.give_back()
+        return True
+
     @contextlib.contextmanager
     def prefill_pass(self, num_tokens: int) -> Iterator[None]:
         """Around one prefill pass of num_tokens: borrowed threads if it is long enough and
-        decode's busy file could be taken."""
-        if (not self.config.enabled or self._lock is None
-                or num_tokens < self.config.min_borrow_tokens or not self._lock.try_take()):
+        decode idles as it starts."""
+        if (not self.config.enabled or num_tokens < self.config.min_borrow_tokens
+                or not self._decode_idle()):
             yield
             return
         try:
@@ -154,7 +163,11 @@ class CoreBorrowing:
             yield
         finally:
             self._use(self.config.own_threads)
-            self._lock.give_back()
+
+    def prefill_layer(self) -> None:
+        """After each layer of a pass: a pass that borrows stops once decode is busy."""
+        if self._threads > self.config.own_threads and not self._decode_idle():
+            self._use(self.config.own_threads)
 
     def close(self) -> None:
         if self._lock is not None:

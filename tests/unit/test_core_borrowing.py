@@ -58,12 +58,14 @@ def test_prefill_borrows_for_a_pass_only_while_decode_idles(tmp_path):
         assert torch.get_num_threads() == 1  # decode computes: prefill keeps its own threads
     decode.decode_state(computing=False, awaiting=True)
     with prefill.prefill_pass(1024):
-        assert torch.get_num_threads() == 2
-        assert not _free(tmp_path / "decode.busy")  # held for the pass
-        decode.decode_state(computing=True, awaiting=False)  # decode never waits for it
-        assert decode.threads == 2
-    # (one process here: the two share torch's count, which prefill set back to its own)
-    assert prefill.threads == 1 and torch.get_num_threads() == 1
+        assert prefill.threads == 2
+        assert _free(tmp_path / "decode.busy")  # never held by prefill: decode can signal
+        prefill.prefill_layer()
+        assert prefill.threads == 2  # decode still idle: the next layer borrows too
+        decode.decode_state(computing=True, awaiting=True)  # decode gets busy mid-pass
+        prefill.prefill_layer()
+        assert prefill.threads == 1  # the rest of the pass on prefill's own threads
+    assert prefill.threads == 1
     decode.decode_state(computing=False, awaiting=False)
     assert _free(tmp_path / "decode.busy")
     decode.close()
