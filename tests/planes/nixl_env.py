@@ -16,6 +16,9 @@ import pytest
 from common.handoff.nixl_agent import LOOPBACK_UCX, open_agent
 
 
+READ_TIMEOUT_S = 1.0  # decode's --nixl-read-timeout-s in these tests
+
+
 def use_loopback_ucx() -> None:
     os.environ.update(LOOPBACK_UCX)
 

@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 
-from common.counters import Counters
 from common.handoff.binding import new_nonce, prompt_digest
 from common.handoff.layout import KvLayout, protocol_version
 from common.handoff.reasons import HandoffRefused
@@ -27,27 +26,11 @@ from decode_svc.kv_receiver import HandoffJob
 from decode_svc.nixl_receiver import NixlReceiver
 from decode_svc.prefill_client import PrefillClient
 from tests.isolation.inproc import Harness
-from tests.planes.nixl_env import nixl_or_skip
 from tests.planes.nixl_pages_prefill import FINGERPRINT, PagesPrefill, PagesPrefillSpec
 from tests.planes.test_shared_memory_refusals import FakeClient
 
 PROMPT = list(range(3, 40))  # 37 tokens: 3 pages of 16
 CHUNK_BYTES = 16 * 256  # 16 tokens of one layer's K and V (tiny model: 256 bytes a token)
-READ_TIMEOUT_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def agent():
-    return nixl_or_skip()
-
-
-@pytest.fixture
-def receiver(agent):
-    """decode's receiver (its quarantine's watcher lives as long as it does)."""
-    r = NixlReceiver(None, None, agent, Counters(), READ_TIMEOUT_S)
-    yield r
-    asyncio.run(r.close())
-
 
 @pytest.fixture
 def harness():

@@ -22,7 +22,6 @@ from common.handoff.codec import commit_frame, frame_wire, header_frame
 from common.handoff.reasons import HandoffRefused
 from common.handoff.transfer import TransferRecord, TransferState
 from common.handoff.verifier import Expectation
-from common.kvpool.kv_cache import PoolConfig
 from common.pb.kvhandoff.v1 import handoff_pb2
 from common.sampling import SamplingConfig
 from decode_svc.engine_answer import engine_answer
@@ -31,24 +30,10 @@ from decode_svc.nixl_receiver import NixlReceiver
 from prefill_svc.handoff_leases import HandoffLeases
 from prefill_svc.nixl_sender import NixlPlane, NixlSender
 from tests.isolation.inproc import Harness
-from tests.planes.nixl_env import nixl_or_skip
+from tests.planes.nixl_env import READ_TIMEOUT_S
 from tests.planes.nixl_peer import NixlPeer
 from tests.planes.test_shared_memory_refusals import (CHUNK_TOKENS, FINGERPRINT, PROMPT,
                                                       FakeClient, _landed_kv, _layout)
-
-READ_TIMEOUT_S = 1.0
-
-
-@pytest.fixture(scope="module")
-def agent():
-    return nixl_or_skip()  # decode's agent, shared by the module (one per process in service)
-
-
-@pytest.fixture
-def harness():
-    h = Harness(PoolConfig(pool_tokens=256, page_size=16))
-    yield h
-    h.close()
 
 
 @pytest.fixture
@@ -59,13 +44,6 @@ def peer(harness, agent):
         pytest.skip(p.why)
     yield p
     p.close()
-
-
-@pytest.fixture
-def receiver(agent):
-    r = NixlReceiver(None, None, agent, Counters(), READ_TIMEOUT_S)
-    yield r
-    asyncio.run(r.close())
 
 
 @pytest.fixture
