@@ -188,9 +188,8 @@ def _depth_error(model: LlamaModel, pool: KvPool, pages: list[int], table: torch
                  ids: torch.Tensor, positions: list[int]) -> tuple[float, int, torch.Tensor]:
     """-> (largest per-layer error, its layer, logits [m, vocab] with the last position first)."""
     device = ids.device
-    page_size = pool.page_size
-    slots = torch.tensor([pages[p // page_size] * page_size + p % page_size for p in positions],
-                         dtype=torch.int64, device=device)  # [m]
+    slots = torch.tensor(pool.slots_at(pages, positions), dtype=torch.int64,
+                         device=device)  # [m]
     sent = _gather(pool, slots)  # [L, 2, m, Hkv, D], before the step overwrites the slots
     where = torch.tensor(positions, dtype=torch.int64, device=device)
     batch = DecodeBatch(

@@ -139,9 +139,7 @@ class ContentPipeline:
         self.layer0_error = content_check._layer0_error(model, pool, table, ids)
         others = self._rng.sample(range(n - 1), min(self.depth_positions, n - 1))
         self.positions = [n - 1, *sorted(others)]
-        page_size = pool.page_size
-        self._slots = torch.tensor([pages[p // page_size] * page_size + p % page_size
-                                    for p in self.positions], dtype=torch.int64,
+        self._slots = torch.tensor(pool.slots_at(pages, self.positions), dtype=torch.int64,
                                    device=device)  # [m]
         self._where = torch.tensor(self.positions, dtype=torch.int64, device=device)  # [m]
         self._tables = table.unsqueeze(0).expand(len(self.positions), -1).contiguous()

@@ -74,5 +74,9 @@ class KvPool:
             self.v.index_fill_(1, index, value)
 
     def slots_for(self, pages: list[int], token_start: int, token_end: int) -> list[int]:
+        return self.slots_at(pages, range(token_start, token_end))
+
+    def slots_at(self, pages: list[int], positions) -> list[int]:
+        """The slot of each token position of a sequence whose pages are `pages`."""
         s = self.page_size
-        return [pages[t // s] * s + t % s for t in range(token_start, token_end)]
+        return [pages[t // s] * s + t % s for t in positions]
