@@ -128,19 +128,13 @@ def check_content(model: LlamaModel, pool: KvPool, request_id: str, token_ids: l
     table = torch.tensor(pages, dtype=torch.int32, device=device)
     ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
     layer0 = _layer0_error(model, pool, table, ids)
-    if not layer0 <= tolerance.layer0:  # a NaN error refuses too
-        raise refuse("KV_LAYER0_MISMATCH", f"layer 0 K/V differ from decode's own computation "
-                     f"of the prompt by {layer0:.3g} (tolerance {tolerance.layer0:g}): the KV "
-                     "is not the KV of the prompt decode sent")
+    _judge_layer0(layer0, tolerance)
     if audit is not None and audit.drawn():
         audit.check(model, pool, request_id, table, ids, tolerance.depth)
     others = rng.sample(range(n - 1), min(config.depth_positions, n - 1))
     positions = [n - 1, *sorted(others)]
     depth, layer, logits = _depth_error(model, pool, pages, table, ids, positions)
-    if not depth <= tolerance.depth:
-        raise refuse("KV_DEPTH_MISMATCH", f"recomputing prompt positions {positions} through "
-                     f"every layer over the received KV gives layer {layer} K/V that differ by "
-                     f"{depth:.3g} from what prefill sent (tolerance {tolerance.depth:g})")
+    _judge_depth(depth, layer, positions, tolerance)
     first = sample_batch(logits[:1], [sampling], [0])[0]
     return ContentVerdict(first, layer0, depth, tuple(positions),
                           time.perf_counter() - started)
@@ -153,10 +147,7 @@ def _judge_prepared(model: LlamaModel, pool: KvPool, request_id: str, sampling: 
     started = time.perf_counter()
     tolerance = TOLERANCES[pool.k.dtype]
     layer0 = prepared.layer0_error
-    if not layer0 <= tolerance.layer0:
-        raise refuse("KV_LAYER0_MISMATCH", f"layer 0 K/V differ from decode's own computation "
-                     f"of the prompt by {layer0:.3g} (tolerance {tolerance.layer0:g}): the KV "
-                     "is not the KV of the prompt decode sent")
+    _judge_layer0(layer0, tolerance)
     if audit is not None and audit.drawn():
         table = torch.tensor(pool.allocator.page_table(request_id), dtype=torch.int32,
                              device=model.device)
@@ -165,14 +156,27 @@ def _judge_prepared(model: LlamaModel, pool: KvPool, request_id: str, sampling: 
     errors = prepared.depth_errors  # per layer, measured as each layer landed
     layer = max(range(len(errors)), key=errors.__getitem__)
     depth = errors[layer]
-    if not depth <= tolerance.depth:
-        raise refuse("KV_DEPTH_MISMATCH", f"recomputing prompt positions {prepared.positions} "
-                     f"through every layer over the received KV gives layer {layer} K/V that "
-                     f"differ by {depth:.3g} from what prefill sent (tolerance "
-                     f"{tolerance.depth:g})")
+    _judge_depth(depth, layer, prepared.positions, tolerance)
     first = sample_batch(prepared.logits[:1], [sampling], [0])[0]
     return ContentVerdict(first, layer0, depth, tuple(prepared.positions),
                           time.perf_counter() - started, prepared.seconds)
+
+
+def _judge_layer0(layer0: float, tolerance: ContentTolerance) -> None:
+    """Raises KV_LAYER0_MISMATCH unless layer0 is within the tolerance (a NaN is not)."""
+    if not layer0 <= tolerance.layer0:
+        raise refuse("KV_LAYER0_MISMATCH", f"layer 0 K/V differ from decode's own computation "
+                     f"of the prompt by {layer0:.3g} (tolerance {tolerance.layer0:g}): the KV "
+                     "is not the KV of the prompt decode sent")
+
+
+def _judge_depth(depth: float, layer: int, positions, tolerance: ContentTolerance) -> None:
+    """Raises KV_DEPTH_MISMATCH unless depth (worst at layer) is within the tolerance."""
+    if not depth <= tolerance.depth:
+        raise refuse("KV_DEPTH_MISMATCH", f"recomputing prompt positions {list(positions)} "
+                     f"through every layer over the received KV gives layer {layer} K/V that "
+                     f"differ by {depth:.3g} from what prefill sent (tolerance "
+                     f"{tolerance.depth:g})")
 
 
 def _layer0_error(model: LlamaModel, pool: KvPool, table: torch.Tensor,
