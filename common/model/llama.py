@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from common.model.config import ModelConfig
-from common.model.cpu_weights import column_major, lm_head_for, packed_linear, packed_rows
+from common.model.cpu_weights import ALL_ROWS, column_major, lm_head_for, packed_linear, packed_rows
 from common.model.protocol import DecodeBatch, PrefillBatch
 from common.ops.interface import KernelOps
 
@@ -67,7 +67,7 @@ class LlamaModel:
                     continue
                 rows = packed_rows(self.w[name])
                 self._packed[name[:-len(".weight")]] = (linear, rows)
-                if rows.start == 0:  # it serves every row count: the only copy
+                if rows is ALL_ROWS:  # it serves every row count: the only copy
                     del self.w[name]
         tied = "lm_head.weight" not in self.w  # then the embedding table is the head
         head = self.w["model.embed_tokens.weight"] if tied else self.w.pop("lm_head.weight")
