@@ -47,6 +47,7 @@ from prefill_svc.kv_sender import KvSender
 from prefill_svc.nixl_sender import NixlPlane, NixlSender
 from prefill_svc.oob_sender import reference_frame
 from prefill_svc.page_lease import LeaseBudget
+from prefill_svc.page_scrub import scrub_unwritten
 
 MAX_REGIONS = 4096
 
@@ -75,6 +76,7 @@ class NixlPagesSender(KvSender):
         self._reg: Registration | None = None
         self._breaks: list[int] = []  # token where each run of slots after the first starts
         self._first = True
+        self.scrubbed_bytes = 0  # zeroed before the registration (P-68a)
         self._owner: str | None = None
         self._released = False
         self._budgeted = True
@@ -85,7 +87,7 @@ class NixlPagesSender(KvSender):
               chunk_tokens: int) -> list[tuple[int, int]]:
         with self._lock:
             if not self._released and self._reg is None and self.fallback is None:
-                self._register(page_table.tolist())
+                self._register(page_table.tolist(), token_end)
             if self.fallback is not None:
                 return self.fallback.spans(page_table, token_start, token_end, chunk_tokens)
             out = []
@@ -98,8 +100,10 @@ class NixlPagesSender(KvSender):
                 start += count
             return out
 
-    def _register(self, table: list[int]) -> None:
-        """Registers the slots of tokens [0, n) of every layer, K and V apart (under the lock)."""
+    def _register(self, table: list[int], first_end: int) -> None:
+        """Registers the slots of tokens [0, n) of every layer, K and V apart, after zeroing
+        those not written yet (P-68a: prefill_svc.page_scrub; first_end: the end of the tokens
+        of layer 0's first chunk, the only ones of the pass stored yet). Under the lock."""
         size = self.pool.page_size
         runs = slot_runs(table, size, 0, self.num_tokens)
         k = self.pool.k  # [L, P, S, Hkv, D], V alike
@@ -113,6 +117,8 @@ class NixlPagesSender(KvSender):
         if len(regions) > MAX_REGIONS:
             self._fall_back("nixl_page_lease_fragmented")
             return
+        self.scrubbed_bytes = scrub_unwritten(self.pool, self.record.request_id, table,
+                                              self.num_tokens, first_end)
         try:
             reg = self.nixl.agent.register_regions(regions, share=True)
         except Exception:  # NIXL refused: this handoff goes packed, nothing held
@@ -124,6 +130,7 @@ class NixlPagesSender(KvSender):
             return
         self._reg = reg
         self.nixl.pinned(+1)
+        self.counters.add("nixl_page_leases")  # served from the pages: P-68's counter
 
     def _fall_back(self, counter: str) -> None:
         """The whole handoff takes the packed path (under the lock, before any frame)."""

@@ -3,7 +3,9 @@ its pages out of the pool (not free, not reusable, cached ones not evictable) un
 ReleaseHandoff or the grace period, so their number and their pages are capped; a handoff past
 the cap takes the packed-buffer path instead (P-66).
 
-Counters (the process's `Counters`): `nixl_page_leases` (handoffs served from the pages),
+Counters (the process's `Counters`): `nixl_page_leases` (handoffs served from the pages:
+counted by the sender once its registration stands, so a handoff that took room here and then
+fell back to the packed buffer, or ended before its first chunk, is not one),
 `nixl_page_lease_fallbacks` (past the cap: packed), `nixl_lease_pages_held` and
 `nixl_lease_pages_returned` (pages that passed to a hold owner when the engine was done with
 their job, and that went back to the pool: held now is their difference; counters only grow, as
@@ -52,7 +54,8 @@ class LeaseBudget:
             if fits:
                 self.pages += pages
                 self.handoffs += 1
-        self.counters.add("nixl_page_leases" if fits else "nixl_page_lease_fallbacks")
+        if not fits:
+            self.counters.add("nixl_page_lease_fallbacks")
         return fits
 
     def give_back(self, pages: int) -> None:
