@@ -25,6 +25,8 @@ request wrote. Engine thread only (it owns the pool's tensors).
 
 from __future__ import annotations
 
+import ctypes
+
 from common.handoff.page_pieces import slot_runs
 from common.kvpool.kv_cache import KvPool
 
@@ -43,14 +45,18 @@ def scrub_unwritten(pool: KvPool, owner: str, table: list[int], num_tokens: int,
     held = pool.allocator.holds(owner)  # else nothing counts as written: all of it is zeroed
     written = min(pool.allocator.written_tokens(owner), num_tokens) if held else 0
     layer0_from = min(max(written, first_end), num_tokens)
+    later = slot_runs(table, size, written, num_tokens)
+    layer0 = slot_runs(table, size, layer0_from, num_tokens)
     zeroed = 0
-    for cache in (pool.k, pool.v):  # [L, P, S, Hkv, D]
-        slots = cache.view(cache.shape[0], -1, *cache.shape[3:])  # [L, P*S, Hkv, D]
-        row = slots[0, 0].nbytes  # one slot of one layer
-        for first, end in slot_runs(table, size, written, num_tokens):
-            slots[1:, first:end].zero_()
-            zeroed += (cache.shape[0] - 1) * (end - first) * row
-        for first, end in slot_runs(table, size, layer0_from, num_tokens):
-            slots[0, first:end].zero_()
-            zeroed += (end - first) * row
+    for cache in (pool.k, pool.v):  # [L, P, S, Hkv, D], contiguous host memory
+        assert cache.device.type == "cpu" and cache.is_contiguous(), "a host pool's pages"
+        row = cache[0, 0, 0].nbytes  # one slot of one layer
+        layer_bytes = cache[0].nbytes
+        for layer in range(cache.shape[0]):
+            # libc's memset per run: torch's zero_ on these slices runs on its thread pool,
+            # measured 0.1 GB/s on a loaded 2-core host against memset's ~10 GB/s
+            for first, end in (layer0 if layer == 0 else later):
+                ctypes.memset(cache.data_ptr() + layer * layer_bytes + first * row, 0,
+                              (end - first) * row)
+                zeroed += (end - first) * row
     return zeroed
