@@ -43,20 +43,38 @@ def land_payload(k: np.ndarray, v: np.ndarray, k_dest: ScatteredBytes, v_dest: S
     and finiteness are computed over the block just written -> the same PayloadCheck that
     payload_pass.check_payload(k_dest, v_dest, dtype) would answer after the copy."""
     assert len(k) == len(k_dest) and len(v) == len(v_dest), (len(k), len(k_dest))
+    return land_blocks(_copy_from(k), _copy_from(v), k_dest, v_dest, dtype, block_bytes)
+
+
+def _copy_from(src: np.ndarray):
+    def fill(at: int, part: np.ndarray) -> None:
+        np.copyto(part, src[at:at + part.size])
+    return fill
+
+
+def land_blocks(fill_k, fill_v, k_dest: ScatteredBytes, v_dest: ScatteredBytes,
+                dtype: torch.dtype, block_bytes: int = DEFAULT_BLOCK_BYTES) -> PayloadCheck:
+    """The block pass of any plane that lands a chunk in decode's pages: for each block of
+    k_dest's pieces, then of v_dest's (uint8 views of the pages, whole values of dtype),
+    fill_k(at, part) / fill_v(at, part) writes the source's bytes [at, at + len(part)) into part
+    (at counts from the side's first byte; a fill that cannot raises, and nothing is answered),
+    then the block's CRC-32C and finiteness are computed over part while it is in cache -> the
+    PayloadCheck that payload_pass.check_payload(k_dest, v_dest, dtype) answers after the copy.
+    The CRC covers every byte whatever the finiteness answer."""
     word, magnitude, exponent = finite_masks(dtype)
     width = np.dtype(word).itemsize
     block = max(width, block_bytes - block_bytes % width)
     scratch = np.empty(block // width, word)
     mask = word(magnitude)
     crc, finite, k_crc = 0, True, 0
-    for side, (src, dest) in enumerate(((k, k_dest), (v, v_dest))):
+    for side, (fill, dest) in enumerate(((fill_k, k_dest), (fill_v, v_dest))):
         if side == 1:
             k_crc = crc
         at = 0
         for piece in dest.pieces:  # [run bytes] uint8, a view of the pages
             for start in range(0, piece.size, block):
                 part = piece[start:start + block]
-                np.copyto(part, src[at:at + part.size])
+                fill(at, part)
                 at += part.size
                 crc = crc32c_extend(crc, part)
                 if finite:

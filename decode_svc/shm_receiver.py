@@ -1,10 +1,11 @@
 """The shared-memory plane on decode: chunk frames carry references into a region prefill wrote
 on this host; decode copies the bytes into its own memory FIRST, then the verifier checks the
 frame (sizes, both 1.1 checksums) over that copy, exactly as inline. With a CPU pool the copy is
-one preadv straight into the request's own pages (decode_svc.page_landing: no staging buffer, no
-engine write after it), followed at once by one block-interleaved pass for the CRC-32C the
-verifier compares and the finiteness check (decode_svc.payload_pass); otherwise the bytes land in a
-buffer of decode's own and go to the engine's write path.
+block by block straight into the request's own pages (decode_svc.page_landing: no staging buffer,
+no engine write after it), one pread per block, each block's CRC-32C (the one the verifier
+compares) and finiteness computed while it is in cache (decode_svc.inline_landing.land_blocks,
+the inline plane's pass); otherwise the bytes land in a buffer of decode's own and go to the
+engine's write path.
 
 Invariants (besides KvReceiver's): bytes are read only from regions named "kvh-<32 hex>" in
 decode's own shared-memory directory that pass shm_region's owner and mode checks; a reference
@@ -34,7 +35,8 @@ from decode_svc.handoff import write_chunk
 from decode_svc.kv_receiver import HandoffJob, LandedKv
 from decode_svc.oob_receiver import OutOfBandReceiver
 from decode_svc.page_landing import PageLanding
-from decode_svc.payload_pass import check_payload, checksummed
+from decode_svc.inline_landing import land_blocks
+from decode_svc.payload_pass import checksummed
 from decode_svc.prefill_client import PrefillClient
 
 MAX_REGIONS_PER_HANDOFF = 4
@@ -68,12 +70,15 @@ class _Landing:
                 pieces = self.pages.pieces(expect.request_id, chunk.layer, chunk.token_start,
                                            chunk.token_end)
                 k, v = pieces.k, pieces.v
-                reader.scatter_into(ref.k_offset, k.pieces)
-                reader.scatter_into(ref.v_offset, v.pieces)
                 if self.one_pass:
-                    check = check_payload(k, v, expect.layout.dtype)
+                    check = land_blocks(_region_fill(reader, ref.k_offset),
+                                        _region_fill(reader, ref.v_offset), k, v,
+                                        expect.layout.dtype)
                     k, v = checksummed(k, v, check)
                     self._finite[(chunk.layer, chunk.token_start)] = check.finite
+                else:
+                    reader.scatter_into(ref.k_offset, k.pieces)
+                    reader.scatter_into(ref.v_offset, v.pieces)
             else:
                 flat = np.empty((2, ref.length), dtype=np.uint8)  # [2, length] decode's own
                 reader.read_into(ref.k_offset, flat[0])
@@ -90,14 +95,14 @@ class _Landing:
             chunk_crc32c=chunk.chunk_crc32c))
 
     def deliver(self, chunk: VerifiedChunk) -> None:
-        """A verified chunk: already in the pages (tell the engine, with what is left of the
-        finiteness check: nothing when the one pass found every value finite; all its pieces
-        otherwise, so the engine's own check refuses it exactly as before), or in decode's own
-        buffer (the engine's write path)."""
+        """A verified chunk: already in the pages (nothing to tell the engine when the one pass
+        found every value finite: its finiteness record of a request starts at "all finite", and
+        a Landed of no pieces would only wake its thread; all its pieces otherwise, so the
+        engine's own check refuses it exactly as before), or in decode's own buffer (the
+        engine's write path)."""
         if isinstance(chunk.k, ScatteredBytes):
-            finite = self._finite.pop((chunk.layer, chunk.token_start), False)
-            unchecked = () if finite else chunk.k.pieces + chunk.v.pieces
-            self.engine.landed(self.expect.request_id, unchecked)
+            if not self._finite.pop((chunk.layer, chunk.token_start), False):
+                self.engine.landed(self.expect.request_id, chunk.k.pieces + chunk.v.pieces)
         else:
             write_chunk(self.engine, self.expect.request_id, chunk)
 
@@ -124,10 +129,19 @@ class _Landing:
         self.readers.clear()
 
 
+def _region_fill(reader: RegionReader, offset: int):
+    """fill(at, part) for land_blocks: the region's bytes [offset + at, + len(part)), one
+    pread into part (decode's page), never a mapping (common.handoff.shm_region)."""
+    def fill(at: int, part: np.ndarray) -> None:
+        reader.read_into(offset + at, part)
+    return fill
+
+
 class SharedMemoryReceiver(OutOfBandReceiver):
-    """one_pass: the CRC-32C and the finiteness check of a chunk landed in the pages run in one
-    block-interleaved pass right after its preadv (decode_svc.payload_pass); False: the
-    verifier's CRC pass, then the engine's finiteness pass (kept for the side-by-side bench)."""
+    """one_pass: a chunk lands in the pages block by block, each block's CRC-32C and finiteness
+    computed right after its pread (decode_svc.inline_landing.land_blocks); False: one preadv
+    per side, then the verifier's CRC pass and the engine's finiteness pass (kept for the
+    side-by-side bench)."""
 
     plane = SHARED_MEMORY
 

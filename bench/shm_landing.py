@@ -1,0 +1,139 @@
+"""How decode lands one shared-memory chunk in its pages with both byte checks (CRC-32C of K || V,
+finiteness), the alternatives side by side in one process, rounds interleaved:
+
+- bare pread: one pread of K and one of V into decode's own buffer, no check (what the bare
+  shared-memory baseline does per piece, bench/transfer_bare.py), the floor;
+- preadv, then pass: one preadv per side straight into the pages, then one block-interleaved
+  pass over the pages for both checks (decode_svc.payload_pass, the receiver before issue 24);
+- pread per block: decode_svc.inline_landing.land_blocks, one pread per 128 KiB block into the
+  pages, both checks over the block while it is in cache (the receiver now);
+- mmap per block: the same pass copying each block out of a read-only mapping of the region
+  (measured only: a region the peer truncates would fault decode, common.handoff.shm_region).
+
+    PYTHONPATH=. python bench/shm_landing.py [--chunk-mib 2,4] [--chunks 64] [--rounds 5]
+
+Prints ms per chunk and GB/s (median over rounds), and each row's ratio to bare pread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from common.handoff.layout import KvLayout
+from common.handoff.page_pieces import cache_bytes, kv_pieces
+from common.handoff.shm_region import RegionReader, RegionWriter
+from common.kvpool.kv_cache import KvPool, PoolConfig
+from decode_svc.inline_landing import land_blocks
+from decode_svc.payload_pass import check_payload
+
+PAGE = 16
+
+
+def _region_fill(reader: RegionReader, offset: int):
+    def fill(at: int, part: np.ndarray) -> None:
+        reader.read_into(offset + at, part)
+    return fill
+
+
+def _mapped_fill(mapped: np.ndarray, offset: int):
+    def fill(at: int, part: np.ndarray) -> None:
+        np.copyto(part, mapped[offset + at:offset + at + part.size])
+    return fill
+
+
+def rows(layout: KvLayout, pool: KvPool, tokens: int, chunks: int, shm_dir: str):
+    """-> {row: fn(i)} landing chunk i (of `chunks` distinct ones in one region)."""
+    side = tokens * layout.k_bytes_per_token_per_layer  # bytes of K (and of V) per chunk
+    layers = layout.num_layers
+    table = np.arange(0, tokens // PAGE, dtype=np.int32)  # [pages]
+    landing = [kv_pieces(cache_bytes(pool.k[layer]), cache_bytes(pool.v[layer]),
+                         layout.k_bytes_per_token_per_layer, table, PAGE, 0, tokens)
+               for layer in range(layers)]
+    writer = RegionWriter(shm_dir, chunks * 2 * side)
+    source = cache_bytes(pool.k[0])[:side]  # [side] uint8: finite values
+    for i in range(2 * chunks):
+        writer.write(i * side, source)
+    reader = RegionReader(shm_dir, writer.name)
+    own = np.empty((2, side), np.uint8)  # decode's own buffer
+    fd = open(writer.path, "rb")
+    mapping = mmap.mmap(fd.fileno(), chunks * 2 * side, prot=mmap.PROT_READ)
+    mapped = np.frombuffer(mapping, np.uint8)  # [region bytes]
+
+    def bare(i):
+        reader.read_into(2 * i * side, own[0])
+        reader.read_into((2 * i + 1) * side, own[1])
+
+    def preadv_then_pass(i):
+        pieces = landing[i % layers]
+        reader.scatter_into(2 * i * side, pieces.k.pieces)
+        reader.scatter_into((2 * i + 1) * side, pieces.v.pieces)
+        assert check_payload(pieces.k, pieces.v, layout.dtype).finite
+
+    def per_block(i):
+        pieces = landing[i % layers]
+        assert land_blocks(_region_fill(reader, 2 * i * side),
+                           _region_fill(reader, (2 * i + 1) * side),
+                           pieces.k, pieces.v, layout.dtype).finite
+
+    def mmap_block(i):
+        pieces = landing[i % layers]
+        assert land_blocks(_mapped_fill(mapped, 2 * i * side),
+                           _mapped_fill(mapped, (2 * i + 1) * side),
+                           pieces.k, pieces.v, layout.dtype).finite
+
+    def close():  # the mapping goes with the last row that holds it
+        fd.close()
+        reader.close()
+        writer.close()
+
+    return {"bare pread (no checks)": bare, "preadv, then pass": preadv_then_pass,
+            "pread per block + checks": per_block, "mmap per block + checks": mmap_block}, close
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--chunk-mib", default="2,4", help="chunk sizes (K plus V), MiB")
+    p.add_argument("--chunks", type=int, default=64, help="distinct chunks per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--shm-dir", default="/dev/shm")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    layout = KvLayout(32, 8, 128, torch.bfloat16)
+    sizes = [int(s) for s in args.chunk_mib.split(",")]
+    max_tokens = max(sizes) * (1 << 20) // layout.kv_bytes_per_token_per_layer
+    pool = KvPool(PoolConfig(pool_tokens=max_tokens, page_size=PAGE), 32, 8, 128,
+                  torch.bfloat16, torch.device("cpu"))
+    for cache in (pool.k, pool.v):
+        for layer in range(32):
+            cache[layer].normal_()
+    for mib in sizes:
+        tokens = mib * (1 << 20) // layout.kv_bytes_per_token_per_layer
+        size = tokens * layout.kv_bytes_per_token_per_layer
+        fns, close = rows(layout, pool, tokens, args.chunks, args.shm_dir)
+        times: dict[str, list[float]] = {name: [] for name in fns}
+        try:
+            for fn in fns.values():
+                fn(0)  # warm-up
+            for _ in range(args.rounds):
+                for name, fn in fns.items():
+                    started = time.perf_counter()
+                    for i in range(args.chunks):
+                        fn(i)
+                    times[name].append((time.perf_counter() - started) / args.chunks)
+        finally:
+            close()
+        floor = statistics.median(times["bare pread (no checks)"])
+        print(f"chunk {mib} MiB ({tokens} tokens of one layer): ms per chunk (GB/s), x bare")
+        for name, seconds in times.items():
+            sec = statistics.median(seconds)
+            print(f"  {name:28s} {sec * 1e3:7.3f} ({size / sec / 1e9:5.2f})  {floor / sec:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
