@@ -92,7 +92,7 @@ class PrefillConfig:
     prefix_cache_max_pages: int = 0  # the most pages the cache may own (0: the whole pool)
     nixl: bool = True  # offer the NIXL plane (when the nixl-cu12 wheel loads and TLS allows)
     # NIXL handoffs of a CPU pool READ straight from the pages, held until released (P-68)
-    nixl_from_pages: bool = False
+    nixl_from_pages: bool = True
     nixl_lease_max_pages: int = 0  # the most pages such handoffs hold at once (0: half the pool)
     nixl_lease_max_handoffs: int = 64
 

@@ -50,9 +50,9 @@ ROLE_HELP = {
     "nixl": "offer the NIXL data plane (decode READs the KV from prefill's NIXL agent)",
     "nixl_read_timeout_s": "seconds one NIXL READ of a chunk may take before it is refused",
     "nixl_from_pages": "serve NIXL handoffs of a host-memory pool straight from the KV pages "
-                       "(held until decode releases them) instead of a packed buffer; off by "
-                       "default: the whole handoff is registered on its first chunk, so slots "
-                       "not yet written are readable by the peer",
+                       "(held until decode releases them) instead of a packed buffer; the "
+                       "handoff's slots not yet written are zeroed before they are registered, "
+                       "so the peer reads only zeros or this request's KV (SPEC P-68a)",
     "nixl_lease_max_pages": "the most KV pages NIXL handoffs served from the pages may hold at "
                             "once (0: half the pool); past it a handoff is packed",
     "nixl_lease_max_handoffs": "the most NIXL handoffs served from the pages at once; past it "
