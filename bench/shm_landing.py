@@ -1,8 +1,9 @@
 """How decode lands one shared-memory chunk in its pages with both byte checks (CRC-32C of K || V,
 finiteness), the alternatives side by side in one process, rounds interleaved:
 
-- bare pread: one pread of K and one of V into decode's own buffer, no check (what the bare
-  shared-memory baseline does per piece, bench/transfer_bare.py), the floor;
+- bare pread: one pread of K and one of V into decode's own buffer (as big as the region), no
+  check (what the bare shared-memory baseline does per piece, bench/transfer_bare.py), the floor;
+- preadv into the pages: the same into a reservation's pages, no check (the copy alone);
 - preadv, then pass: one preadv per side straight into the pages, then one block-interleaved
   pass over the pages for both checks (decode_svc.payload_pass, the receiver before issue 24);
 - pread per block: decode_svc.inline_landing.land_blocks, one pread per 128 KiB block into the
@@ -12,7 +13,9 @@ finiteness), the alternatives side by side in one process, rounds interleaved:
 
     PYTHONPATH=. python bench/shm_landing.py [--chunk-mib 2,4] [--chunks 64] [--rounds 5]
 
-Prints ms per chunk and GB/s (median over rounds), and each row's ratio to bare pread.
+Prints ms of this thread's CPU per chunk (time.thread_time: less swayed than wall time by other
+processes on a loaded host) and GB/s, medians over rounds, and each row's ratio to bare pread.
+--block-kib picks the landing rows' block sizes.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ def _mapped_fill(mapped: np.ndarray, offset: int):
     return fill
 
 
-def rows(layout: KvLayout, pool: KvPool, tokens: int, chunks: int, shm_dir: str):
+def rows(layout: KvLayout, pool: KvPool, tokens: int, chunks: int, shm_dir: str,
+         blocks: list[int]):
     """-> {row: fn(i)} landing chunk i (of `chunks` distinct ones in one region)."""
     side = tokens * layout.k_bytes_per_token_per_layer  # bytes of K (and of V) per chunk
     layers = layout.num_layers
@@ -60,14 +64,19 @@ def rows(layout: KvLayout, pool: KvPool, tokens: int, chunks: int, shm_dir: str)
     for i in range(2 * chunks):
         writer.write(i * side, source)
     reader = RegionReader(shm_dir, writer.name)
-    own = np.empty((2, side), np.uint8)  # decode's own buffer
+    own = np.empty((chunks, 2, side), np.uint8)  # decode's own buffer, as big as the region
     fd = open(writer.path, "rb")
     mapping = mmap.mmap(fd.fileno(), chunks * 2 * side, prot=mmap.PROT_READ)
     mapped = np.frombuffer(mapping, np.uint8)  # [region bytes]
 
     def bare(i):
-        reader.read_into(2 * i * side, own[0])
-        reader.read_into((2 * i + 1) * side, own[1])
+        reader.read_into(2 * i * side, own[i, 0])
+        reader.read_into((2 * i + 1) * side, own[i, 1])
+
+    def preadv_only(i):
+        pieces = landing[i % layers]
+        reader.scatter_into(2 * i * side, pieces.k.pieces)
+        reader.scatter_into((2 * i + 1) * side, pieces.v.pieces)
 
     def preadv_then_pass(i):
         pieces = landing[i % layers]
@@ -75,32 +84,40 @@ def rows(layout: KvLayout, pool: KvPool, tokens: int, chunks: int, shm_dir: str)
         reader.scatter_into((2 * i + 1) * side, pieces.v.pieces)
         assert check_payload(pieces.k, pieces.v, layout.dtype).finite
 
-    def per_block(i):
-        pieces = landing[i % layers]
-        assert land_blocks(_region_fill(reader, 2 * i * side),
-                           _region_fill(reader, (2 * i + 1) * side),
-                           pieces.k, pieces.v, layout.dtype).finite
+    def per_block(block):
+        def land(i):
+            pieces = landing[i % layers]
+            assert land_blocks(_region_fill(reader, 2 * i * side),
+                               _region_fill(reader, (2 * i + 1) * side),
+                               pieces.k, pieces.v, layout.dtype, block).finite
+        return land
 
-    def mmap_block(i):
-        pieces = landing[i % layers]
-        assert land_blocks(_mapped_fill(mapped, 2 * i * side),
-                           _mapped_fill(mapped, (2 * i + 1) * side),
-                           pieces.k, pieces.v, layout.dtype).finite
+    def mmap_block(block):
+        def land(i):
+            pieces = landing[i % layers]
+            assert land_blocks(_mapped_fill(mapped, 2 * i * side),
+                               _mapped_fill(mapped, (2 * i + 1) * side),
+                               pieces.k, pieces.v, layout.dtype, block).finite
+        return land
 
     def close():  # the mapping goes with the last row that holds it
         fd.close()
         reader.close()
         writer.close()
 
-    return {"bare pread (no checks)": bare, "preadv, then pass": preadv_then_pass,
-            "pread per block + checks": per_block, "mmap per block + checks": mmap_block}, close
+    fns = {"bare pread (no checks)": bare, "preadv into the pages (no checks)": preadv_only,
+           "preadv, then pass": preadv_then_pass}
+    fns.update({f"pread per {b >> 10} KiB + checks": per_block(b) for b in blocks})
+    fns.update({f"mmap per {b >> 10} KiB + checks": mmap_block(b) for b in blocks})
+    return fns, close
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunk-mib", default="2,4", help="chunk sizes (K plus V), MiB")
     p.add_argument("--chunks", type=int, default=64, help="distinct chunks per round")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--block-kib", default="128,256", help="landing block sizes, KiB")
     p.add_argument("--shm-dir", default="/dev/shm")
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -115,24 +132,25 @@ def main() -> None:
     for mib in sizes:
         tokens = mib * (1 << 20) // layout.kv_bytes_per_token_per_layer
         size = tokens * layout.kv_bytes_per_token_per_layer
-        fns, close = rows(layout, pool, tokens, args.chunks, args.shm_dir)
+        blocks = [int(b) << 10 for b in args.block_kib.split(",")]
+        fns, close = rows(layout, pool, tokens, args.chunks, args.shm_dir, blocks)
         times: dict[str, list[float]] = {name: [] for name in fns}
         try:
             for fn in fns.values():
                 fn(0)  # warm-up
             for _ in range(args.rounds):
                 for name, fn in fns.items():
-                    started = time.perf_counter()
+                    started = time.thread_time()
                     for i in range(args.chunks):
                         fn(i)
-                    times[name].append((time.perf_counter() - started) / args.chunks)
+                    times[name].append((time.thread_time() - started) / args.chunks)
         finally:
             close()
         floor = statistics.median(times["bare pread (no checks)"])
-        print(f"chunk {mib} MiB ({tokens} tokens of one layer): ms per chunk (GB/s), x bare")
+        print(f"chunk {mib} MiB ({tokens} tokens of one layer): CPU ms per chunk (GB/s), x bare")
         for name, seconds in times.items():
             sec = statistics.median(seconds)
-            print(f"  {name:28s} {sec * 1e3:7.3f} ({size / sec / 1e9:5.2f})  {floor / sec:5.2f}")
+            print(f"  {name:34s} {sec * 1e3:7.3f} ({size / sec / 1e9:5.2f})  {floor / sec:5.2f}")
 
 
 if __name__ == "__main__":

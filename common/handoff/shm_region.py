@@ -134,8 +134,11 @@ class RegionReader:
         """Fills the writable buffers pieces, in order, from the bytes at [offset, offset + their
         total length): one preadv per call where the file is long enough."""
         views = [memoryview(p).cast("B") for p in pieces]
-        end = offset + sum(len(v) for v in views)
-        while views:
+        total = sum(len(v) for v in views)
+        end = offset + total
+        if 0 < len(views) <= IOV_MAX and os.preadv(self._fd, views, offset) == total:
+            return  # the usual case (a block of decode's landing pass): one preadv, done
+        while views:  # from the start again: a short read may have been a region shrinking
             n = os.preadv(self._fd, views[:IOV_MAX], offset)
             if n <= 0:
                 raise RegionError(f"region {self.name} ends before byte {end}")
