@@ -48,6 +48,9 @@ class ServiceConfig:
     # use while the peer idles, and the lock file of the pair (decode holds it while it computes)
     borrow_cpus: str = ""
     busy_file: str = ""
+    # CPUs the service's I/O threads (gRPC, event loop, transfers) may also run on; its engine
+    # thread and torch threads stay on cpu_affinity ("": the I/O threads stay there too)
+    io_cpus: str = ""
 
     def torch_device(self) -> torch.device:
         import torch

@@ -165,3 +165,71 @@ def test_placement_pins_every_thread_and_sets_torch_threads(torch_threads, expec
     assert got["threads"] == expected_threads and got["cpus"] == [cpu]
     assert len(got["masks"]) >= 2  # the thread started before the placement is pinned too
     assert set(got["masks"].values()) == {str(cpu)}
+
+
+IO_PROBE = """
+import json, os, sys, threading
+import torch
+from common.server.core_borrowing import CoreBorrowing, CoreBorrowingConfig
+from common.server.cpu_placement import apply_cpu_placement
+own, io = int(sys.argv[1]), int(sys.argv[2])
+threads, cpus = apply_cpu_placement(2, str(own), io_cpus=f"{own},{io}")
+def mask(tid):
+    for line in open(f"/proc/self/task/{tid}/status"):
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split()[1]
+engine = {}
+def engine_thread():
+    CoreBorrowing(CoreBorrowingConfig(threads, 0, own_cpus=(own,), io_cpus=(io,))
+                  ).on_engine_thread()
+    engine["mask"] = mask(threading.get_native_id())
+    engine["torch"] = torch.ones(512, 512) @ torch.ones(512, 512)  # the team, from here
+io_started, listed = {}, threading.Event()
+def io_thread():
+    io_started["tid"] = threading.get_native_id()
+    io_started["mask"] = mask(io_started["tid"])
+    listed.wait(30)  # alive until listed: a joined thread's task may linger a moment
+t = threading.Thread(target=engine_thread); t.start(); t.join()
+t = threading.Thread(target=io_thread); t.start()
+while "mask" not in io_started:
+    pass
+others = [mask(tid) for tid in os.listdir("/proc/self/task")
+          if int(tid) not in (threading.get_native_id(), io_started["tid"])]
+listed.set(); t.join()
+print(json.dumps({"threads": threads, "cpus": list(cpus), "main": mask(threading.get_native_id()),
+                  "engine": engine["mask"], "io": io_started["mask"], "others": others}))
+"""
+
+
+def test_io_cpus_reach_only_the_io_threads():
+    """--io-cpus: the calling thread and the threads it starts later (gRPC's, the event loop's)
+    may run on both lists; torch's worker threads, started on cpu_affinity first, and the engine
+    thread (on_engine_thread) stay on cpu_affinity."""
+    cpus = allowed_cpus()
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    own, io = cpus[0], cpus[1]
+    out = subprocess.run([sys.executable, "-c", IO_PROBE, str(own), str(io)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    both = format_cpu_list((own, io))
+    assert got["threads"] == 2 and got["cpus"] == [own, io]
+    assert got["main"] == both and got["io"] == both
+    assert got["engine"] == str(own)
+    assert got["others"] and set(got["others"]) == {str(own)}, got  # torch's workers
+
+
+def test_shared_io_gives_both_services_the_pair_cpus(monkeypatch):
+    import bench.servers
+    from kvhandoff_cli.up import io_flags
+
+    monkeypatch.setattr(bench.servers, "allowed_cpus", lambda: (0, 1, 2))
+    assert placement_flags("prefill", "shared-io", 0, True) == [
+        "--cpu-affinity", "0", "--torch-threads", "1", "--io-cpus", "0-2"]
+    assert placement_flags("decode", "shared-io", 0, True) == [
+        "--cpu-affinity", "1-2", "--torch-threads", "2", "--io-cpus", "0-2"]
+    placement = {"prefill": (1, (0,)), "decode": (2, (1, 2))}
+    assert io_flags(placement, True) == ["--io-cpus", "0-2"]
+    assert io_flags(placement, False) == []
+    assert io_flags({"prefill": (0, ()), "decode": (0, ())}, True) == []
