@@ -1,8 +1,8 @@
 """A real prefill service in its own process for the NIXL page-lease tests (SPEC P-68): the
 PrefillEngine over the tiny random model of tests.isolation.inproc (seed 0, so a decode
-Harness in the test's process computes the same model), its pool poisoned on free and checked
-for owners, a prefix cache, and the real HandoffServicer offering NIXL with its own agent, on a
-gRPC server at 127.0.0.1:0.
+Harness in the test's process computes the same model), its pool poisoned on free (unless the
+spec says not to) and checked for owners, a prefix cache, and the real HandoffServicer
+offering NIXL with its own agent, on a gRPC server at 127.0.0.1:0.
 
 Commands over a multiprocessing pipe: ("stats",) -> {pages_free, pages_available,
 pages_cached, waiting, counters}; ("fragment", n) -> True: n one-page owners taken and every
@@ -29,6 +29,7 @@ class PagesPrefillSpec:
     lease_enabled: bool = True
     lease_max_pages: int = 0
     prefill_chunk_tokens: int = 2048  # less: a prompt's KV over several passes
+    poison_freed: bool = True  # False: freed pages keep their KV (the P-68a scrub runs)
 
 
 async def _serve(conn, spec: PagesPrefillSpec) -> None:
@@ -57,7 +58,8 @@ async def _serve(conn, spec: PagesPrefillSpec) -> None:
     model = tiny_model()
     c = model.config
     layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, torch.float32)
-    pool = KvPool(PoolConfig(spec.pool_tokens, PAGE_SIZE, poison_freed=True, check_owners=True),
+    pool = KvPool(PoolConfig(spec.pool_tokens, PAGE_SIZE, poison_freed=spec.poison_freed,
+                             check_owners=True),
                   c.num_layers, c.num_kv_heads, c.head_dim, torch.float32, torch.device("cpu"))
     counters = Counters()
     log = make_logger("prefill", stream=io.StringIO())

@@ -191,6 +191,41 @@ def test_the_pages_land_what_the_packed_path_lands_and_pass_the_checks(harness, 
         packed.close()
 
 
+def test_over_an_earlier_requests_unscrubbed_pages_a_chunked_handoff_lands_its_own_kv(
+        harness, receiver):
+    """SPEC P-68a with the real model: a pool that keeps freed pages' KV (no poison, no scrub)
+    and a chunked prefill (16-token passes, so most slots are registered long before they are
+    written); an earlier request's handoff leaves its KV in the pages the next one gets. The
+    scrub before the registration zeroes only slots not written yet: what lands is the
+    prompt's KV and decode's content checks give its first token."""
+    prefill = _start(PagesPrefillSpec(poison_freed=False, prefill_chunk_tokens=16))
+    try:
+        earlier = [t + 50 for t in PROMPT]
+
+        async def go():
+            client = PrefillClient(prefill.address, CHUNK_BYTES, None)
+            try:
+                first, record, _ = await _land(harness, receiver, client, "earlier", earlier)
+                assert record.state == TransferState.SUCCESS, first
+                harness.engine.release("earlier")
+                landed, record, _ = await _land(harness, receiver, client, "later")
+                assert record.state == TransferState.SUCCESS, landed
+                return landed, await _verify(harness, "later")
+            finally:
+                await client.close()
+
+        landed, first = asyncio.run(go())
+        kv = _landed_kv(harness, "later", len(PROMPT))
+        harness.engine.release("later")
+        want_first, want_kv, _ = harness.prefill(PROMPT)
+        assert landed.first_token == first == want_first
+        for got, want in zip(kv, want_kv, strict=True):
+            torch.testing.assert_close(got, want)
+        assert prefill.stats()["counters"]["nixl_page_leases"] == 2
+    finally:
+        prefill.close()
+
+
 def test_pages_are_held_until_release_handoff_and_then_returned(harness, receiver, prefill):
     baseline = prefill.stats()["pages_free"]
     decode_baseline = harness.pages_free()
