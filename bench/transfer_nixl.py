@@ -9,6 +9,11 @@ every pool's before issue 24) and "nixl-packed" (prefill packs each handoff into
 buffer of its own, P-66: a second synthetic prefill with the page source off; the fallback path,
 and every handoff's before P-68).
 
+The pages row pays the P-68a scrub (prefill_svc.page_scrub: the synthetic pool does not poison
+freed pages, so each handoff's slots past layer 0 are zeroed before the registration; the
+synthetic model writes nothing, so those layers then travel as zeros: the same bytes and CRC
+work as random KV).
+
 Rows: "nixl" (ratio against "bare-nixl") and "bare-nixl" (ratio against raw TCP of the same
 run; nan when run alone). UCX is confined to loopback (UCX_NET_DEVICES=lo, UCX_TLS=sm,tcp,self)
 unless the caller's environment sets those variables. Where NIXL does not start, no row is

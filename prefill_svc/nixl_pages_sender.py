@@ -6,10 +6,13 @@ both), and the first chunk carries the partial agent metadata of this handoff's 
 
 Only the handoff's own slots are registered with the agent (one region per layer and run, K and
 V apart, tokens [0, n) of its table), on the first chunk, and deregistered at `release` before
-its pages go back to the pool. The engine passes the pages to a hold owner (`hold`) when it is
-done with the job, so they stay out of the pool (not free; borrowed cached pages keep their
-reference, so they are not evictable) until `release` (decode's ReleaseHandoff, the grace
-period, shutdown) asks the engine to free them (`return_pages`, engine thread).
+its pages go back to the pool. Before registering, the slots not written yet are zeroed
+(prefill_svc.page_scrub, P-68a), so the peer can READ, within the registration, only zeros or
+this request's own KV, never what an earlier owner of a page left there. The engine passes
+the pages to a hold owner (`hold`) when it is done with the job, so they stay out of the pool
+(not free; borrowed cached pages keep their reference, so they are not evictable) until
+`release` (decode's ReleaseHandoff, the grace period, shutdown) asks the engine to free them
+(`return_pages`, engine thread).
 
 Where NIXL refuses the registration the sender falls back to the packed path (a NixlSender,
 P-66) for the whole handoff, counted `nixl_page_registrations_failed`; so does a handoff whose

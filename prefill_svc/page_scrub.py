@@ -8,7 +8,9 @@ request last owned the page, readable by the peer for as long as the registratio
 scrub zeroes them first, so every registered slot holds zeros or this request's own KV.
 
 Which slots hold this request's KV at the first chunk (the engine calls `spans` first for layer
-0 of the handoff's first pass, after that layer's KV of the pass is stored):
+0 of the handoff's first pass, after that layer's KV of the pass is stored; the model stores
+layer l + 1 only after on_layer_stored(l) returns: a model that stored ahead would see those
+layers zeroed, which decode's depth check refuses, failing closed, never leaking):
 - tokens [0, written) in every layer, written = the allocator's `written_tokens(owner)`: the
   cached prefix the request borrows (prefill_svc.prefix_cache: whole pages of the same scope
   and the same leading tokens, complete in every layer, so they are this request's own prefix
