@@ -6,10 +6,13 @@ finiteness), the alternatives side by side in one process, rounds interleaved:
 - preadv into the pages: the same into a reservation's pages, no check (the copy alone);
 - preadv, then pass: one preadv per side straight into the pages, then one block-interleaved
   pass over the pages for both checks (decode_svc.payload_pass, the receiver before issue 24);
-- pread per block: decode_svc.inline_landing.land_blocks, one pread per 128 KiB block into the
+- pread per block: decode_svc.inline_landing.land_blocks, one pread per block into the
   pages, both checks over the block while it is in cache (the receiver now);
 - mmap per block: the same pass copying each block out of a read-only mapping of the region
-  (measured only: a region the peer truncates would fault decode, common.handoff.shm_region).
+  (measured only: a region the peer truncates would fault decode, common.handoff.shm_region;
+  and the mapping here is made once, its page faults paid in the warm-up, where the services
+  would map a new region per handoff: on this host, mapping and faulting 64 MiB afresh cost
+  as much as the pread it saves, MAP_POPULATE or not).
 
     PYTHONPATH=. python bench/shm_landing.py [--chunk-mib 2,4] [--chunks 64] [--rounds 5]
 

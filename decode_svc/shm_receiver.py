@@ -2,7 +2,7 @@
 on this host; decode copies the bytes into its own memory FIRST, then the verifier checks the
 frame (sizes, both 1.1 checksums) over that copy, exactly as inline. With a CPU pool the copy is
 block by block straight into the request's own pages (decode_svc.page_landing: no staging buffer,
-no engine write after it), one pread per block, each block's CRC-32C (the one the verifier
+no engine write after it), one pread per 256 KiB block, each block's CRC-32C (the one the verifier
 compares) and finiteness computed while it is in cache (decode_svc.inline_landing.land_blocks,
 the inline plane's pass); otherwise the bytes land in a buffer of decode's own and go to the
 engine's write path.
@@ -40,6 +40,10 @@ from decode_svc.payload_pass import checksummed
 from decode_svc.prefill_client import PrefillClient
 
 MAX_REGIONS_PER_HANDOFF = 4
+# Bytes per pread of the landing pass: the best of 128 KiB .. 1 MiB in bench/shm_landing.py on
+# this project's 2-core host (3-6% less CPU per chunk than 128 KiB; the pread dominates, and the
+# block is still in L2 for the CRC and the finiteness check after it).
+LANDING_BLOCK_BYTES = 256 << 10
 
 
 class _Landing:
@@ -73,7 +77,7 @@ class _Landing:
                 if self.one_pass:
                     check = land_blocks(_region_fill(reader, ref.k_offset),
                                         _region_fill(reader, ref.v_offset), k, v,
-                                        expect.layout.dtype)
+                                        expect.layout.dtype, LANDING_BLOCK_BYTES)
                     k, v = checksummed(k, v, check)
                     self._finite[(chunk.layer, chunk.token_start)] = check.finite
                 else:
