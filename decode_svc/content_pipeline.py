@@ -26,7 +26,9 @@ writes the rows' own K/V into their slots for its attention and puts prefill's v
 before it returns, so between stages the pages hold exactly what arrived (the audit, D-49, reads
 them after); a stage whose request no longer holds its pages does nothing; any failure marks the
 pipeline failed and `check_content` then runs the checks in full over the pages (fail safe,
-never skipped). `complete` only when every layer's stage ran in order.
+never skipped). `complete` only when every layer's stage ran in order. While prefill computes
+a pass on decode's CPUs (core borrowing: `engine.peer_borrowing()`), a stage does not run
+beside it and the pipeline is `deferred`: the checks run in full after the commit instead.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ContentPipeline:
         self._queued = 0  # stages queued (layers 0.. _queued-1)
         self.cursor = 0  # stages run
         self.failed = False
+        self.deferred = False  # a stage met prefill borrowing decode's CPUs: checks in full
         self.seconds = 0.0  # engine time the stages took
         self.done_at: float | None = None  # time.monotonic() when the last stage ended
         self.layer0_error = float("nan")
@@ -86,6 +89,9 @@ class ContentPipeline:
                 return
             if not self.engine.pool.allocator.holds(self.request_id):
                 self.failed = True  # released while landing: nothing to check any more
+                return
+            if self.engine.peer_borrowing():
+                self.failed = self.deferred = True  # leave the CPUs to prefill's pass
                 return
             started = time.perf_counter()
             try:

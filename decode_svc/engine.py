@@ -110,6 +110,10 @@ class DecodeEngine:
         """then() on the engine thread after every command queued so far."""
         self.submit(AfterWrites(then))
 
+    def peer_borrowing(self) -> bool:
+        """Whether prefill computes a pass on this service's CPUs now (core borrowing)."""
+        return self._cores.peer_borrowing()
+
     def verify(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
                done, prepared=None) -> None:
         """After every write of the request's handoff: checks the KV content in its pages

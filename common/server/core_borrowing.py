@@ -19,7 +19,11 @@ and without them now and then and stops borrowing for a while when they do not
 (common/server/borrow_guard.py); prefill borrows only for passes of at least
 `min_borrow_tokens` (on the bench checkpoint at 1 client, a 1024-token prompt's TTFT fell from
 ~480 to ~330 ms with a borrowed pass, while a 128-token one rose from 59 to 73 ms: a short pass
-gains less than it loses to decode's content checks, which run while the KV lands).
+gains less than it loses to decode's content checks, which run while the KV lands). While a
+pass runs on borrowed threads prefill also holds a second lock, the *lent file* (the busy file's
+name + ".lent"), so that decode can see it (`peer_borrowing`) and leave its cores to that pass
+(decode_svc.content_pipeline: the checks then run after the commit, on its own and borrowed
+threads, instead of beside the pass).
 
 Invariants: neither side ever waits for the lock (a side that cannot take it computes with its
 own threads), so a lock held by a stalled or killed peer costs speed, never progress (flock locks
@@ -89,6 +93,8 @@ class CoreBorrowing:
         self.config = config
         self._counters = counters
         self._lock = _BusyLock(config.busy_file) if config.enabled and config.busy_file else None
+        self._lent = (_BusyLock(config.busy_file + ".lent") if self._lock is not None
+                      else None)  # prefill holds it while a pass borrows
         self._threads = config.own_threads
         self._guard = BorrowGuard(counters=counters)
         self._workers_started = False
@@ -160,16 +166,29 @@ class CoreBorrowing:
             yield
             return
         try:
+            self._lent.try_take()
             self._use(self.config.own_threads + self.config.borrowed_threads)
             yield
         finally:
             self._use(self.config.own_threads)
+            self._lent.give_back()
 
     def prefill_layer(self) -> None:
         """After each layer of a pass: a pass that borrows stops once decode is busy."""
         if self._threads > self.config.own_threads and not self._decode_idle():
             self._use(self.config.own_threads)
+            self._lent.give_back()
+
+    # ---- decode, about prefill ----
+    def peer_borrowing(self) -> bool:
+        """Decode: whether prefill computes a pass on borrowed threads now (it holds the lent
+        file; taken and given back at once when free)."""
+        if self._lent is None or not self._lent.try_take():
+            return self._lent is not None
+        self._lent.give_back()
+        return False
 
     def close(self) -> None:
         if self._lock is not None:
             self._lock.close()
+            self._lent.close()

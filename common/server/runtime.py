@@ -48,7 +48,8 @@ def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runti
     io = borrowable_cpus(config.cpu_affinity, config.io_cpus)
     own = check_cpu_affinity(config.cpu_affinity) if config.cpu_affinity else ()
     cores = CoreBorrowingConfig(threads, len(borrowed), config.busy_file, own_cpus=own,
-                                borrowed_cpus=borrowed, io_cpus=io)
+                                borrowed_cpus=borrowed, io_cpus=io,
+                                min_borrow_tokens=config.borrow_min_tokens)
     log.info("cpu_placement", torch_threads=threads, cpus=format_cpu_list(cpus),
              borrowed_cpus=format_cpu_list(borrowed) if cores.enabled else "",
              io_cpus=format_cpu_list(io))

@@ -36,13 +36,17 @@ class Chunk:
 class InlineEngine:
     """The engine's after_writes, run at once (its queue order: the writes came first)."""
 
-    def __init__(self, model, pool) -> None:
+    def __init__(self, model, pool, borrowing_at: int | None = None) -> None:
         self.model, self.pool = model, pool
         self.queued = 0
+        self.borrowing_at = borrowing_at  # the stage from which prefill borrows decode's CPUs
 
     def after_writes(self, then) -> None:
         self.queued += 1
         then()
+
+    def peer_borrowing(self) -> bool:
+        return self.borrowing_at is not None and self.queued > self.borrowing_at
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +138,25 @@ def test_a_pipeline_short_of_a_layer_leaves_it_to_the_full_checks(model):
     verdict = check_content(model, pool, "r", ids, SamplingConfig(), ContentCheckConfig(),
                             random.Random(0), prepared=pipeline)
     assert verdict.landed_seconds == 0  # judged by the checks in full
+
+
+@pytest.mark.parametrize("borrowing_at", [0, 3])
+def test_stages_leave_the_cpus_to_a_borrowed_prefill_pass(model, borrowing_at):
+    """While prefill computes on decode's CPUs no stage runs; the checks in full judge it, with
+    the same first token, and the pages hold what arrived."""
+    ids = _ids(model)
+    pool = _landed(model, ids)
+    before = (pool.k.clone(), pool.v.clone())
+    pipeline = ContentPipeline(InlineEngine(model, pool, borrowing_at), "r", ids, 4)
+    for chunk in _chunks(model.config.num_layers, False):
+        pipeline.on_chunk(chunk)
+    assert pipeline.deferred and not pipeline.complete and pipeline.cursor == borrowing_at
+    assert torch.equal(pool.k, before[0]) and torch.equal(pool.v, before[1])
+    verdict = check_content(model, pool, "r", ids, SamplingConfig(), ContentCheckConfig(),
+                            random.Random(0), prepared=pipeline)
+    full = check_content(model, _landed(model, ids), "r", ids, SamplingConfig(),
+                         ContentCheckConfig(), random.Random(0))
+    assert verdict.landed_seconds == 0 and verdict.first_token_id == full.first_token_id
 
 
 def test_a_released_request_stops_the_stages(model):

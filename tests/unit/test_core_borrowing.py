@@ -72,12 +72,34 @@ def test_prefill_borrows_for_a_pass_only_while_decode_idles(tmp_path):
     prefill.close()
 
 
+def test_decode_sees_a_pass_that_borrows_its_cpus(tmp_path):
+    """The lent file: held by prefill exactly while a pass runs on borrowed threads."""
+    decode, prefill, _ = _pair(tmp_path)
+    torch.set_num_threads(1)
+    assert not decode.peer_borrowing()
+    with prefill.prefill_pass(1024):
+        assert decode.peer_borrowing() and decode.peer_borrowing()  # a probe changes nothing
+        decode.decode_state(computing=True, awaiting=True)  # decode busy: prefill drops back
+        prefill.prefill_layer()
+        assert prefill.threads == 1 and not decode.peer_borrowing()
+    decode.decode_state(computing=False, awaiting=True)
+    with prefill.prefill_pass(1024):
+        assert decode.peer_borrowing()
+    assert not decode.peer_borrowing()
+    with prefill.prefill_pass(prefill.config.min_borrow_tokens - 1):
+        assert not decode.peer_borrowing()  # a short pass lends nothing
+    assert not CoreBorrowing(CoreBorrowingConfig()).peer_borrowing()
+    decode.close()
+    prefill.close()
+
+
 def test_a_pass_that_raises_gives_the_file_and_the_threads_back(tmp_path):
     _, prefill, _ = _pair(tmp_path)
     torch.set_num_threads(1)
     with pytest.raises(RuntimeError), prefill.prefill_pass(1024):
         raise RuntimeError("pass failed")
     assert torch.get_num_threads() == 1 and _free(tmp_path / "decode.busy")
+    assert _free(tmp_path / "decode.busy.lent")
     prefill.close()
 
 
