@@ -355,15 +355,12 @@ class DecodeEngine:
 
     def _step(self, batch: list[Sequence]) -> None:
         device = self.model.device
-        page_size = self.pool.page_size
         max_pages = max(len(s.pages) for s in batch)
-        table = torch.zeros(len(batch), max_pages, dtype=torch.int32)
-        positions, slots = [], []
-        for row, seq in enumerate(batch):
-            table[row, : len(seq.pages)] = torch.tensor(seq.pages, dtype=torch.int32)
-            pos = len(seq.tokens) - 1
-            positions.append(pos)
-            slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
+        positions = [len(seq.tokens) - 1 for seq in batch]
+        slots = [self.pool.slots_at(seq.pages, (pos,))[0]
+                 for seq, pos in zip(batch, positions, strict=True)]
+        table = torch.tensor([seq.pages + [0] * (max_pages - len(seq.pages)) for seq in batch],
+                             dtype=torch.int32)  # [B, max_pages], zero past each row's pages
         step = DecodeBatch(
             token_ids=torch.tensor([s.tokens[-1] for s in batch], dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
