@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import fcntl
 import itertools
+import mmap
 import os
 import re
 import secrets
@@ -32,6 +33,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from common.handoff.shm_region import MODE, RegionError
 
@@ -49,12 +52,27 @@ class RegionPoolConfig:
 
 @dataclass
 class PooledFile:
-    """One file of the pool: its descriptor, private name and current size."""
+    """One file of the pool: its descriptor, private name and current size, and the writable
+    mapping prefill packs through (`writable`), kept with the file so that its page faults are
+    paid once per file, not once per handoff (64 MiB, CPU ms: pwrite 40, stores through a
+    mapping kept 24, through a fresh one 63, fresh with MAP_POPULATE 37; loaded 2-core host).
+
+    Invariant: writable(n) exposes only [0, n) of the file, n <= its current size (a store past
+    the end of a shared mapping of a shorter file would fault prefill)."""
 
     fd: int
     private: Path  # its name in the pool's own directory
     size: int
     idle_since: float = 0.0  # time.monotonic() when it went back to the pool
+    mapping: mmap.mmap | None = None  # [mapped] shared, writable; grown by remapping
+
+    def writable(self, n: int) -> np.ndarray:
+        """[n] uint8, the file's bytes [0, n) through the kept mapping (made or grown here)."""
+        if not 0 < n <= self.size:
+            raise ValueError(f"{n} bytes of a file of {self.size}")
+        if self.mapping is None or len(self.mapping) < n:
+            self.mapping = mmap.mmap(self.fd, n)  # an older, shorter one goes with its views
+        return np.frombuffer(self.mapping, np.uint8, n)
 
 
 class RegionPool:
@@ -177,6 +195,7 @@ def _make_pool_dir(directory: Path) -> tuple[Path, int]:
 
 
 def _discard(file: PooledFile) -> None:
+    file.mapping = None  # unmapped once the last view of it is gone
     os.close(file.fd)
     try:
         os.unlink(file.private)

@@ -69,6 +69,12 @@ class RegionWriter:
             raise
         self.size = size
 
+    def writable(self):
+        """A pooled region's bytes [0, size) as a writable uint8 array (stores through the pooled
+        file's kept mapping: common.handoff.region_pool.PooledFile.writable), final once stored;
+        None for a region of its own (pwrite into a fresh file beats a fresh mapping)."""
+        return None if self._pooled is None else self._pooled.writable(self.size)
+
     def write(self, offset: int, data) -> None:
         """data: a C-contiguous buffer (bytes, uint8 numpy array), or ScatteredBytes (its pieces
         in order, one pwritev per IOV_MAX of them)."""

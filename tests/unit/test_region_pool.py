@@ -115,3 +115,31 @@ def test_idle_files_and_the_pool_directory_go_when_the_traffic_stops(tmp_path):
     again.close()
     pool.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_pooled_region_is_written_through_its_kept_mapping_within_its_size(tmp_path):
+    """Stores through PooledFile.writable are what decode's pread reads; the view never reaches
+    past the handoff's size (shrunk or grown file), and a region of its own has none."""
+    pool = RegionPool()
+    sizes_and_fills = [(8192, 5), (4096, 9), (16384, 3)]  # the same file: shrunk, then grown
+    inodes = set()
+    for size, fill in sizes_and_fills:
+        writer = RegionWriter(str(tmp_path), size, pool)
+        inodes.add(_inode(writer))
+        view = writer.writable()
+        assert view.size == size
+        view[:] = fill
+        reader = RegionReader(str(tmp_path), writer.name)
+        got = np.empty(size, np.uint8)
+        reader.read_into(0, got)
+        assert (got == fill).all()
+        with pytest.raises(RegionError):  # nothing past the size, whatever was mapped before
+            reader.read_into(size, np.empty(1, np.uint8))
+        reader.close()
+        writer.close(recycle=True)
+    assert len(inodes) == 1 and pool.reused == 2
+    own_region = RegionWriter(str(tmp_path), 4096)
+    assert own_region.writable() is None  # pwritev: a fresh mapping costs more than it saves
+    own_region.close()
+    pool.close()
+    assert os.listdir(tmp_path) == []
