@@ -159,13 +159,16 @@ class _Landing:
             chunk_crc32c=chunk.chunk_crc32c))
 
     def deliver(self, chunk: VerifiedChunk) -> None:
-        """A verified chunk: already in the pages (tell the engine, with its finiteness), or in
-        the staging buffer (the engine's write path)."""
-        if isinstance(chunk.k, ScatteredBytes):  # nothing left to check if one pass found
-            # every value finite; else every piece, which the engine's own check refuses
-            finite = self._finite.pop((chunk.layer, chunk.token_start), False)
-            unchecked = () if finite else chunk.k.pieces + chunk.v.pieces
-            self.receiver.engine.landed(self.expect.request_id, unchecked)
+        """A verified chunk: already in the pages, or in the staging buffer (the engine's write
+        path). In the pages: nothing to tell the engine when the one pass found every value
+        finite (its finiteness record of a request starts at "all finite", and a Landed of no
+        pieces would only wake its thread, as on the inline and shared-memory planes); all its
+        pieces otherwise (the two-pass mode included), so the engine's own check refuses the
+        handoff exactly as before."""
+        if isinstance(chunk.k, ScatteredBytes):
+            if not self._finite.pop((chunk.layer, chunk.token_start), False):
+                self.receiver.engine.landed(self.expect.request_id,
+                                            chunk.k.pieces + chunk.v.pieces)
         else:
             write_chunk(self.receiver.engine, self.expect.request_id, chunk)
 

@@ -343,16 +343,21 @@ def test_decode_unloads_a_peer_once_it_holds_many_buffer_sections(harness, recei
 
 
 @pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("where", ["first", "last"])
 def test_a_nan_read_into_the_pages_is_refused_at_verify_and_frees_them(harness, agent, peer,
-                                                                       one_pass):
+                                                                       one_pass, where):
     """Prefill's buffer holds a NaN it checksummed (every frame passes): the READ lands it in the
     pages, the finiteness check over them (the one pass, or the engine's own) finds it, and the
-    request is refused KV_NOT_FINITE with its pages back."""
+    request is refused KV_NOT_FINITE with its pages back. In the first chunk, every later chunk
+    is all finite (the receiver tells the engine nothing of those): the NaN is still refused."""
     receiver = NixlReceiver(None, None, agent, Counters(), READ_TIMEOUT_S, one_pass=one_pass)
     baseline = harness.pages_free()
     nonce = new_nonce()
     first, kv, _ = harness.prefill(PROMPT)
-    kv[-1][1, -1, -1, -1] = float("nan")  # the last layer's V, last token
+    if where == "last":
+        kv[-1][1, -1, -1, -1] = float("nan")  # the last layer's V, last token
+    else:
+        kv[0][0, 0, 0, 0] = float("nan")  # layer 0's K, first token: the first chunk
     layout = _layout(harness)
     frames = [frame_wire(header_frame("nan", len(PROMPT), handoff_pb2.HANDOFF_STATUS_OK, layout,
                                       FINGERPRINT, nonce=nonce, digest=prompt_digest(PROMPT)))]
