@@ -4,7 +4,7 @@ the chunk frame carries a reference (region, offsets, length) with the same 1.1 
 The region (common.handoff.shm_region) is opened on the first chunk, sized for the whole
 handoff (2 x tokens x layers x bytes per token-layer), its file taken from the leases' region
 pool when one is given (common.handoff.region_pool), filled in the order chunks are packed
-(a pooled file: packed straight into it through the file's kept mapping; a region of its own:
+(a reused pooled file: packed straight into it through its kept mapping; otherwise
 pwritev of each chunk's views of the pages; prefill_svc.oob_sender), and its name unlinked by
 `release`: decode's ReleaseHandoff (the file then goes back to the pool), or the stream's end
 plus the grace period (prefill_svc.handoff_leases; the file is removed). The pool pages the KV
@@ -35,8 +35,9 @@ class SharedMemorySender(OutOfBandSender):
         self.region_name = ""  # known once the first chunk created the region
 
     def _open(self) -> np.ndarray | None:
-        """A pooled region: its bytes through the file's kept mapping, packed into in place (one
-        copy out of the pages, no system call); a region of its own: None (pwritev)."""
+        """A reused pooled file: its bytes through the file's kept mapping, packed into in place
+        (one copy out of the pages, no system call); a new file or a region of its own: None
+        (pwritev)."""
         self._region = RegionWriter(self.directory, self.size, self.regions)
         self.region_name = self._region.name
         return self._region.writable()

@@ -41,6 +41,7 @@ from common.handoff.shm_region import MODE, RegionError
 POOL_PREFIX = ".kvh-pool-"
 POOL_NAME = re.compile(r"\.kvh-pool-[0-9a-f]{32}")
 LOCK = "lock"  # held (flock) by the pool's process while it lives
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere faults as the stores come
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,11 @@ class RegionPoolConfig:
 
 @dataclass
 class PooledFile:
-    """One file of the pool: its descriptor, private name and current size, and the writable
-    mapping prefill packs through (`writable`), kept with the file so that its page faults are
-    paid once per file, not once per handoff (64 MiB, CPU ms: pwrite 40, stores through a
-    mapping kept 24, through a fresh one 63, fresh with MAP_POPULATE 37; loaded 2-core host).
+    """One file of the pool: its descriptor, private name and current size, and, from its first
+    reuse, the writable mapping prefill packs through (`writable`), kept with the file so that
+    its page faults are paid once per file, not once per handoff (64 MiB, CPU ms: pwrite 40,
+    stores through a mapping kept 24, through a fresh one 63, fresh with MAP_POPULATE 37;
+    loaded 2-core host).
 
     Invariant: writable(n) exposes only [0, n) of the file, n <= its current size (a store past
     the end of a shared mapping of a shorter file would fault prefill)."""
@@ -65,13 +67,20 @@ class PooledFile:
     size: int
     idle_since: float = 0.0  # time.monotonic() when it went back to the pool
     mapping: mmap.mmap | None = None  # [mapped] shared, writable; grown by remapping
+    reused: bool = False  # taken from the idle files at least once (its pages exist)
 
-    def writable(self, n: int) -> np.ndarray:
-        """[n] uint8, the file's bytes [0, n) through the kept mapping (made or grown here)."""
+    def writable(self, n: int) -> np.ndarray | None:
+        """[n] uint8, the file's bytes [0, n) through the kept mapping (made or grown here, its
+        page tables filled at once: MAP_POPULATE), or None for a file never reused (its first
+        handoff writes by pwritev, which also allocates its pages: a mapping then would pay
+        faults and allocation both, and a file not recycled would pay them for nothing)."""
         if not 0 < n <= self.size:
             raise ValueError(f"{n} bytes of a file of {self.size}")
+        if not self.reused:
+            return None
         if self.mapping is None or len(self.mapping) < n:
-            self.mapping = mmap.mmap(self.fd, n)  # an older, shorter one goes with its views
+            self.mapping = mmap.mmap(self.fd, n, flags=mmap.MAP_SHARED | _POPULATE)
+            # an older, shorter mapping goes with its last view
         return np.frombuffer(self.mapping, np.uint8, n)
 
 
@@ -100,6 +109,7 @@ class RegionPool:
                 chosen = min(fits, key=lambda f: f.size) if fits else max(idle,
                                                                           key=lambda f: f.size)
                 idle.remove(chosen)
+                chosen.reused = True
                 self.reused += 1
                 return chosen
             try:

@@ -118,17 +118,22 @@ def test_idle_files_and_the_pool_directory_go_when_the_traffic_stops(tmp_path):
 
 
 def test_a_pooled_region_is_written_through_its_kept_mapping_within_its_size(tmp_path):
-    """Stores through PooledFile.writable are what decode's pread reads; the view never reaches
-    past the handoff's size (shrunk or grown file), and a region of its own has none."""
+    """From a pooled file's first reuse, stores through PooledFile.writable are what decode's
+    pread reads; the view never reaches past the handoff's size (shrunk or grown file); a new
+    file's first handoff and a region of its own have none (pwrite)."""
     pool = RegionPool()
     sizes_and_fills = [(8192, 5), (4096, 9), (16384, 3)]  # the same file: shrunk, then grown
     inodes = set()
-    for size, fill in sizes_and_fills:
+    for i, (size, fill) in enumerate(sizes_and_fills):
         writer = RegionWriter(str(tmp_path), size, pool)
         inodes.add(_inode(writer))
         view = writer.writable()
-        assert view.size == size
-        view[:] = fill
+        if i == 0:  # a new file: its first handoff goes by pwrite
+            assert view is None
+            writer.write(0, np.full(size, fill, np.uint8))
+        else:
+            assert view.size == size
+            view[:] = fill
         reader = RegionReader(str(tmp_path), writer.name)
         got = np.empty(size, np.uint8)
         reader.read_into(0, got)
