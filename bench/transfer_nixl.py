@@ -49,17 +49,18 @@ from decode_svc.nixl_receiver import NixlReceiver
 PIECE = 4 << 20
 
 
-async def _handoff(side, receiver: NixlReceiver, layout: KvLayout, tokens: int
-                   ) -> tuple[float, int]:
-    """One verified NIXL handoff written into decode's pool -> (seconds, payload bytes)."""
+async def _handoff(side, receiver: NixlReceiver, layout: KvLayout, tokens: int,
+                   max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> tuple[float, int]:
+    """One verified NIXL handoff written into decode's pool, in chunks of at most
+    max_chunk_bytes (K plus V) -> (seconds, payload bytes)."""
     request_id = uuid.uuid4().hex
     barrier = f"{request_id}-barrier"
     await side._reserve(request_id, tokens)
     request = handoff_pb2.PrefillRequest(
         request_id=request_id, token_ids=[1] * tokens, protocol_version=protocol_version(),
         nonce=new_nonce(), model_fingerprint=FINGERPRINT, sampling=SamplingConfig().to_proto(),
-        max_chunk_bytes=DEFAULT_MAX_CHUNK_BYTES)
-    expect = Expectation(request_id, tokens, layout, FINGERPRINT, DEFAULT_MAX_CHUNK_BYTES,
+        max_chunk_bytes=max_chunk_bytes)
+    expect = Expectation(request_id, tokens, layout, FINGERPRINT, max_chunk_bytes,
                          VOCAB, request.nonce, prompt_digest(request.token_ids))
     try:
         started = time.perf_counter()
@@ -104,8 +105,10 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
 
 
 async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, results, stats,
-                   default_repeats, prefill_pid, two_pass=False, staging=False, packed=None):
-    """packed: (grpc port, pid) of the packed-path prefill, for the "nixl-packed" row."""
+                   default_repeats, prefill_pid, two_pass=False, staging=False, packed=None,
+                   chunk_mib=0):
+    """packed: (grpc port, pid) of the packed-path prefill, for the "nixl-packed" row;
+    chunk_mib: also the "nixl-chunk<N>M" row (the same receiver, chunks of N MiB)."""
     from bench.transfer_services import DecodeSide
     from decode_svc.prefill_client import PrefillClient
 
@@ -120,6 +123,10 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
     side.start()
     receiver = NixlReceiver(side.client, side.engine, agent, read_timeout_s=60.0)
     receivers = {"nixl": receiver}
+    chunk_bytes = {}  # row -> max_chunk_bytes where not the default
+    if chunk_mib:
+        name = f"nixl-chunk{chunk_mib}M"
+        receivers[name], chunk_bytes[name] = receiver, chunk_mib << 20
     if two_pass:  # the same pages, the verifier's CRC pass then the engine's finiteness pass
         receivers["nixl-two-pass"] = NixlReceiver(side.client, side.engine, agent,
                                                   read_timeout_s=60.0, one_pass=False)
@@ -146,7 +153,8 @@ async def _measure(layout, sizes, repeats, grpc_port, bare_port, progress, resul
                 for name, each in receivers.items():
                     clock = meters.get(name, meter)
                     before = clock.cpu()
-                    seconds, got = await _handoff(side, each, layout, tokens)
+                    seconds, got = await _handoff(side, each, layout, tokens,
+                                                  chunk_bytes.get(name, DEFAULT_MAX_CHUNK_BYTES))
                     if got != nbytes:
                         raise RuntimeError(f"{name} moved {got} bytes, expected {nbytes}")
                     if rep:
@@ -200,11 +208,12 @@ def _stop_helper(helper, parent) -> None:
 
 def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: list[dict],
                   torch_threads: int, progress, two_pass: bool = False,
-                  staging: bool = False, packed: bool = False) -> None:
+                  staging: bool = False, packed: bool = False, chunk_mib: int = 0) -> None:
     """Appends the "nixl" and "bare-nixl" rows to each size's transports (see the module);
     two_pass: also "nixl-two-pass" (the checks in two passes, as before the one-pass check);
     staging: also "nixl-staging" (READs into a staging buffer, then the engine's writes);
-    packed: also "nixl-packed" (prefill packs into a registered buffer: P-66)."""
+    packed: also "nixl-packed" (prefill packs into a registered buffer: P-66); chunk_mib: also
+    "nixl-chunk<N>M" (chunks of at most N MiB instead of the default 4 MiB)."""
     from bench.transfer import _stats, default_repeats
     from common.server.grpc_server import run_async
 
@@ -227,7 +236,7 @@ def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: lis
             other = (second[2][0], second[0].pid)
         why = run_async(lambda: _measure(layout, [r["size_bytes"] for r in results], repeats,
                                          *answer, progress, results, _stats, default_repeats,
-                                         helper.pid, two_pass, staging, other))
+                                         helper.pid, two_pass, staging, other, chunk_mib))
         if why:
             print(f"[transfer] no NIXL rows: {why}", file=sys.stderr)
     finally:
@@ -238,7 +247,7 @@ def add_nixl_rows(layout: KvLayout, sizes: list[int], repeats: int, results: lis
 
 def main(argv: list[str]) -> int:
     """The NIXL rows alone, interleaved per repeat: python -m bench.transfer_nixl
-    --sizes 64MiB,1GiB [--two-pass] [--staging]."""
+    --sizes 64MiB,1GiB [--two-pass] [--staging] [--packed] [--chunk-mib N]."""
     import argparse
 
     import torch
@@ -253,12 +262,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--staging", action="store_true", help="add the nixl-staging row")
     p.add_argument("--packed", action="store_true",
                    help="add the nixl-packed row (prefill packs into a buffer: P-66)")
+    p.add_argument("--chunk-mib", type=int, default=0,
+                   help="add a row whose handoffs ask for chunks of at most N MiB (K plus V)")
     args = p.parse_args(argv)
     layout = KvLayout(32, 8, 128, torch.bfloat16)  # bench transfer's default (8B-shaped)
     results = [{"size_bytes": size, "tokens": size // layout.kv_bytes_per_token,
                 "transports": []} for size in map(parse_size, args.sizes.split(","))]
     add_nixl_rows(layout, [r["size_bytes"] for r in results], args.repeats, results, 1,
-                  lambda _: None, args.two_pass, args.staging, args.packed)
+                  lambda _: None, args.two_pass, args.staging, args.packed, args.chunk_mib)
     print(f"{'size':>9} {'row':>14} {'GB/s median':>12} {'ratio':>6} {'vs':>10} "
           f"{'CPU s/GB decode':>16} {'prefill':>8}")
     for r in results:
