@@ -7,7 +7,8 @@ the same repeats, "nixl-two-pass" (the verifier's CRC pass, then the engine's fi
 "nixl-staging" (READs into a staging buffer, then the engine's writes: the GPU pool's path, and
 every pool's before issue 24) and "nixl-packed" (prefill packs each handoff into a registered
 buffer of its own, P-66: a second synthetic prefill with the page source off; the fallback path,
-and every handoff's before P-68).
+and every handoff's before P-68) and "nixl-chunk<N>M" (the pages path with handoffs asking for
+chunks of at most N MiB instead of the default 4 MiB: fewer frames, READs and checks per GB).
 
 The pages row pays the P-68a scrub (prefill_svc.page_scrub: the synthetic pool does not poison
 freed pages, so each handoff's slots past layer 0 are zeroed before the registration; the
