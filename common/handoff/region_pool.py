@@ -67,16 +67,17 @@ class PooledFile:
     size: int
     idle_since: float = 0.0  # time.monotonic() when it went back to the pool
     mapping: mmap.mmap | None = None  # [mapped] shared, writable; grown by remapping
-    reused: bool = False  # taken from the idle files at least once (its pages exist)
+    backed: int = 0  # bytes an earlier handoff wrote (pages that exist), set when reused
 
     def writable(self, n: int) -> np.ndarray | None:
         """[n] uint8, the file's bytes [0, n) through the kept mapping (made or grown here, its
-        page tables filled at once: MAP_POPULATE), or None for a file never reused (its first
-        handoff writes by pwritev, which also allocates its pages: a mapping then would pay
-        faults and allocation both, and a file not recycled would pay them for nothing)."""
+        page tables filled at once: MAP_POPULATE), or None where [0, n) is not all pages an
+        earlier handoff of this file wrote (a new file, or one grown): that handoff goes by
+        pwritev, which allocates the pages; a mapping would pay faults and allocation both."""
         if not 0 < n <= self.size:
             raise ValueError(f"{n} bytes of a file of {self.size}")
-        if not self.reused:
+        if n > self.backed:
+            self.mapping = None
             return None
         if self.mapping is None or len(self.mapping) < n:
             self.mapping = mmap.mmap(self.fd, n, flags=mmap.MAP_SHARED | _POPULATE)
@@ -109,7 +110,7 @@ class RegionPool:
                 chosen = min(fits, key=lambda f: f.size) if fits else max(idle,
                                                                           key=lambda f: f.size)
                 idle.remove(chosen)
-                chosen.reused = True
+                chosen.backed = chosen.size  # what its last handoff wrote
                 self.reused += 1
                 return chosen
             try:

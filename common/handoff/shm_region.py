@@ -72,8 +72,8 @@ class RegionWriter:
     def writable(self):
         """A pooled region's bytes [0, size) as a writable uint8 array (stores through the pooled
         file's kept mapping: common.handoff.region_pool.PooledFile.writable), final once stored;
-        None for a region of its own or a pooled file's first handoff (pwrite into a fresh file
-        beats a fresh mapping)."""
+        None for a region of its own, or a pooled file's bytes no earlier handoff wrote (pwrite
+        into new pages beats a fresh mapping of them)."""
         return None if self._pooled is None else self._pooled.writable(self.size)
 
     def write(self, offset: int, data) -> None:

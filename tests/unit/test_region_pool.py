@@ -118,22 +118,24 @@ def test_idle_files_and_the_pool_directory_go_when_the_traffic_stops(tmp_path):
 
 
 def test_a_pooled_region_is_written_through_its_kept_mapping_within_its_size(tmp_path):
-    """From a pooled file's first reuse, stores through PooledFile.writable are what decode's
-    pread reads; the view never reaches past the handoff's size (shrunk or grown file); a new
-    file's first handoff and a region of its own have none (pwrite)."""
+    """Where a reused pooled file's earlier handoff wrote its pages, stores through
+    PooledFile.writable are what decode's pread reads, and the view never reaches past the
+    handoff's size (a shrunk file); a new file, a grown one and a region of its own have none
+    (pwrite allocates the pages)."""
     pool = RegionPool()
-    sizes_and_fills = [(8192, 5), (4096, 9), (16384, 3)]  # the same file: shrunk, then grown
+    # the same file each time: new, shrunk, grown, then the same size again
+    steps = [(8192, 5, False), (4096, 9, True), (16384, 3, False), (16384, 7, True)]
     inodes = set()
-    for i, (size, fill) in enumerate(sizes_and_fills):
+    for size, fill, mapped in steps:
         writer = RegionWriter(str(tmp_path), size, pool)
         inodes.add(_inode(writer))
         view = writer.writable()
-        if i == 0:  # a new file: its first handoff goes by pwrite
-            assert view is None
-            writer.write(0, np.full(size, fill, np.uint8))
-        else:
+        if mapped:
             assert view.size == size
             view[:] = fill
+        else:
+            assert view is None
+            writer.write(0, np.full(size, fill, np.uint8))
         reader = RegionReader(str(tmp_path), writer.name)
         got = np.empty(size, np.uint8)
         reader.read_into(0, got)
@@ -142,7 +144,7 @@ def test_a_pooled_region_is_written_through_its_kept_mapping_within_its_size(tmp
             reader.read_into(size, np.empty(1, np.uint8))
         reader.close()
         writer.close(recycle=True)
-    assert len(inodes) == 1 and pool.reused == 2
+    assert len(inodes) == 1 and pool.reused == 3
     own_region = RegionWriter(str(tmp_path), 4096)
     assert own_region.writable() is None  # pwritev: a fresh mapping costs more than it saves
     own_region.close()
