@@ -31,7 +31,7 @@ from common.handoff.crc import crc32c_extend
 from common.handoff.scattered import ScatteredBytes
 from common.handoff.verifier import Expectation, VerifiedChunk
 from decode_svc.engine import DecodeEngine
-from decode_svc.finite_bits import finite_masks
+from decode_svc.finite_bits import block_is_finite, value_width
 from decode_svc.page_landing import PageLanding
 from decode_svc.payload_pass import DEFAULT_BLOCK_BYTES, PayloadCheck, checksummed
 
@@ -61,11 +61,8 @@ def land_blocks(fill_k, fill_v, k_dest: ScatteredBytes, v_dest: ScatteredBytes,
     then the block's CRC-32C and finiteness are computed over part while it is in cache -> the
     PayloadCheck that payload_pass.check_payload(k_dest, v_dest, dtype) answers after the copy.
     The CRC covers every byte whatever the finiteness answer."""
-    word, magnitude, exponent = finite_masks(dtype)
-    width = np.dtype(word).itemsize
+    width = value_width(dtype)
     block = max(width, block_bytes - block_bytes % width)
-    scratch = np.empty(block // width, word)
-    mask = word(magnitude)
     crc, finite, k_crc = 0, True, 0
     for side, (fill, dest) in enumerate(((fill_k, k_dest), (fill_v, v_dest))):
         if side == 1:
@@ -77,10 +74,8 @@ def land_blocks(fill_k, fill_v, k_dest: ScatteredBytes, v_dest: ScatteredBytes,
                 fill(at, part)
                 at += part.size
                 crc = crc32c_extend(crc, part)
-                if finite:
-                    masked = scratch[:part.size // width]
-                    np.bitwise_and(part.view(word), mask, out=masked)
-                    finite = bool(masked.max() < exponent)
+                if finite and part.size:
+                    finite = block_is_finite(part, dtype)
     return PayloadCheck(k_crc, crc, finite)
 
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from common.handoff.crc import ChecksummedBytes, crc32c_extend
 from common.handoff.scattered import ScatteredBytes
-from decode_svc.finite_bits import finite_masks
+from decode_svc.finite_bits import block_is_finite, value_width
 
 # Bytes per block: measured best of 64 KiB .. 1 MiB on this project's hosts
 # (bench/payload_pass.py); small enough to stay in L2 between the two checks.
@@ -40,11 +39,8 @@ def check_payload(k, v, dtype: torch.dtype, block_bytes: int = DEFAULT_BLOCK_BYT
                   ) -> PayloadCheck:
     """k, v: uint8 arrays or ScatteredBytes, each piece holding whole values of dtype ->
     their CRC-32C (K then V) and finiteness, from one read of each block."""
-    word, magnitude, exponent = finite_masks(dtype)
-    width = np.dtype(word).itemsize
+    width = value_width(dtype)
     block = max(width, block_bytes - block_bytes % width)
-    scratch = np.empty(block // width, word)
-    mask = word(magnitude)
     crc, finite = 0, True
     k_crc = 0
     for side, pieces in enumerate((_pieces(k), _pieces(v))):
@@ -55,9 +51,7 @@ def check_payload(k, v, dtype: torch.dtype, block_bytes: int = DEFAULT_BLOCK_BYT
                 part = data[start:start + block]  # [<= block] uint8
                 crc = crc32c_extend(crc, part)
                 if finite and part.size:
-                    masked = scratch[:part.size // width]
-                    np.bitwise_and(part.view(word), mask, out=masked)
-                    finite = bool(masked.max() < exponent)
+                    finite = block_is_finite(part, dtype)
     return PayloadCheck(k_crc, crc, finite)
 
 

@@ -57,3 +57,33 @@ def test_a_non_finite_value_in_any_block_is_found(monkeypatch):
         bad = values.clone()
         bad[position] = float("nan")
         assert not all_finite_bytes(_bytes(bad), torch.bfloat16), position
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_pattern_alone_agrees(dtype):
+    """block_is_finite (signed max, unsigned max) on each pattern alone, and beside a finite
+    neighbour of either sign, equals isfinite: the sign bit's two halves are both covered."""
+    from decode_svc.finite_bits import block_is_finite
+
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    finite = torch.isfinite(patterns.view(dtype)).tolist()
+    raw = patterns.numpy().view(np.uint8).reshape(-1, 2)
+    one = np.array([1.0, -1.0], dtype=np.float32)
+    neighbours = torch.from_numpy(one).to(dtype).view(torch.int16).numpy().view(np.uint8)
+    for i in range(1 << 16):
+        assert block_is_finite(raw[i], dtype) is finite[i], hex(i)
+        for n in range(2):
+            pair = np.concatenate([raw[i], neighbours[2 * n:2 * n + 2]])
+            assert block_is_finite(pair, dtype) is finite[i], (hex(i), n)
+
+
+def test_float32_edge_patterns_agree():
+    from decode_svc.finite_bits import block_is_finite
+
+    edges = [0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7FFFFFFF, 0xFF7FFFFF, 0xFF800000, 0xFFC00000,
+             0xFFFFFFFF, 0x80000000, 0x00000000, 0x00000001, 0x80000001]
+    gen = np.random.default_rng(3)
+    for bits in [*edges, *gen.integers(0, 1 << 32, 2000, dtype=np.uint64).tolist()]:
+        word = np.array([bits], dtype=np.uint32)
+        expected = bool(np.isfinite(word.view(np.float32))[0])
+        assert block_is_finite(word.view(np.uint8), torch.float32) is expected, hex(bits)
