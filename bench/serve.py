@@ -75,8 +75,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvhandoff bench serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"any of {', '.join(MODES)} (borrowing: the pair with core borrowing; "
-                        "shared-io: the pair with --io-cpus on both shares)")
+                   help=f"any of {', '.join(MODES)} (borrowing: the pair with core borrowing)")
     p.add_argument("--variant", type=_variant, action="append", default=[],
                    metavar="NAME=FLAGS[;DECODE FLAGS]",
                    help="a disaggregated pair named NAME whose prefill (and decode, after ';') "

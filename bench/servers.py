@@ -15,13 +15,12 @@ from common.server.cpu_placement import allowed_cpus, format_cpu_list, split_cor
 from common.server.launch import ServiceProcess, launch, stop_processes
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("disaggregated", "local", "cache-off", "cache-on", "borrowing", "shared-io")
+MODES = ("disaggregated", "local", "cache-off", "cache-on", "borrowing")
 DEFAULT_MODES = MODES[:4]
 # disaggregated modes whose prefill runs with these flags (the prefix cache off and on;
-# borrowing: the pair with core borrowing, whatever --core-borrowing says; shared-io: each
-# service's I/O threads on both shares, as up's --shared-io)
+# borrowing: the pair with core borrowing, whatever --core-borrowing says)
 PREFILL_FLAGS = {"disaggregated": [], "cache-off": ["--no-prefix-cache"],
-                 "cache-on": ["--prefix-cache"], "borrowing": [], "shared-io": []}
+                 "cache-on": ["--prefix-cache"], "borrowing": []}
 
 
 @dataclass(frozen=True)
@@ -83,8 +82,6 @@ def placement_flags(role: str, mode: str, torch_threads: int, cpu_split: bool,
              str(torch_threads or len(cpus))]
     if borrow:
         flags += ["--borrow-cpus", format_cpu_list(borrow), "--busy-file", str(busy_file)]
-    if mode == "shared-io" and mode in PREFILL_FLAGS:
-        flags += ["--io-cpus", format_cpu_list(allowed_cpus())]
     return flags
 
 

@@ -49,9 +49,6 @@ class ServiceConfig:
     borrow_cpus: str = ""
     busy_file: str = ""
     borrow_min_tokens: int = 512  # prefill: the shortest pass that borrows
-    # CPUs the service's I/O threads (gRPC, event loop, transfers) may also run on; its engine
-    # thread and torch threads stay on cpu_affinity ("": the I/O threads stay there too)
-    io_cpus: str = ""
 
     def torch_device(self) -> torch.device:
         import torch

@@ -67,8 +67,7 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # (a, b): a is set only together with b.
 REQUIRES = [("tls_key", "tls_cert"), ("tls_cert", "tls_key"), ("tls_ca", "tls_cert"),
             ("api_tls_key", "api_tls_cert"), ("api_tls_cert", "api_tls_key"),
-            ("borrow_cpus", "busy_file"), ("borrow_cpus", "cpu_affinity"),
-            ("io_cpus", "cpu_affinity")]
+            ("borrow_cpus", "busy_file"), ("borrow_cpus", "cpu_affinity")]
 FILE_FIELDS = ("tls_cert", "tls_key", "tls_ca", "api_tls_cert", "api_tls_key")
 TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -277,7 +276,7 @@ def check_values(values: Mapping[str, object], sources: Mapping[str, str] | None
                             f"got {value!r}")
         if name in FILE_FIELDS and value and not Path(str(value)).is_file():
             problems.append(f"{label(name)}: {name} file {value!r} does not exist")
-    for name in ("cpu_affinity", "borrow_cpus", "io_cpus"):
+    for name in ("cpu_affinity", "borrow_cpus"):
         if values.get(name):
             try:
                 check_cpu_affinity(str(values[name]))

@@ -37,8 +37,6 @@ SERVICE_HELP = {
     "cpu_affinity": "CPUs the service runs on, e.g. 0-3,6 (empty: the ones it was started with)",
     "borrow_cpus": "the peer service's CPUs this one also computes on while the peer idles, "
                    "e.g. 0 (needs --cpu-affinity and --busy-file; kvhandoff up sets both)",
-    "io_cpus": "CPUs the service's I/O threads (gRPC, event loop, transfers) may also run on, "
-               "e.g. 0-1; its engine and torch threads stay on --cpu-affinity (needs it)",
     "borrow_min_tokens": "prefill: the shortest pass that borrows decode's CPUs (decode then "
                          "checks that handoff's content after the commit, not beside the pass)",
     "busy_file": "lock file shared by a prefill and a decode on one host: decode holds it while "

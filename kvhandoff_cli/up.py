@@ -163,9 +163,6 @@ def parser() -> argparse.ArgumentParser:
                    help="with split CPUs, each service also computes on the other's CPUs while "
                         "the other idles (decode while no handoff is in flight, prefill while "
                         "decode has nothing running)")
-    p.add_argument("--shared-io", action=argparse.BooleanOptionalAction, default=False,
-                   help="with split CPUs, each service's I/O threads (gRPC, event loop, "
-                        "transfers) may run on both shares; engines stay on their own")
     p.add_argument("--prefill-cpus", default="", metavar="LIST",
                    help="prefill's CPUs, e.g. 0-3 (empty: from --cpu-split)")
     p.add_argument("--decode-cpus", default="", metavar="LIST",
@@ -226,14 +223,6 @@ def borrowed_cpus(placement: dict[str, tuple[int, tuple[int, ...]]], role: str,
     if not enabled or not own or not peer:
         return ()
     return tuple(c for c in peer if c not in own)
-
-
-def io_flags(placement: dict[str, tuple[int, tuple[int, ...]]], enabled: bool) -> list[str]:
-    """--io-cpus for both services: the pair's CPUs, when enabled and both are pinned."""
-    cpus = {*placement["prefill"][1], *placement["decode"][1]}
-    if not enabled or not placement["prefill"][1] or not placement["decode"][1]:
-        return []
-    return ["--io-cpus", format_cpu_list(cpus)]
 
 
 def _borrow_flags(cpus: tuple[int, ...], busy_file: Path) -> list[str]:
@@ -353,7 +342,6 @@ def up(argv: list[str]) -> int:
                             "--prefix-cache" if args.prefix_cache else "--no-prefix-cache",
                             *_placement_flags(*placement["prefill"]),
                             *_borrow_flags(borrowing["prefill"], busy_file),
-                            *io_flags(placement, args.shared_io),
                             *shlex.split(args.prefill_args)],
                 Path(tmp) / "prefill.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("prefill")))
@@ -368,7 +356,6 @@ def up(argv: list[str]) -> int:
                              if args.api_tokens else []),
                            *_placement_flags(*placement["decode"]),
                            *_borrow_flags(borrowing["decode"], busy_file),
-                           *io_flags(placement, args.shared_io),
                            *shlex.split(args.decode_args)],
                 Path(tmp) / "decode.port", args.start_timeout, host=args.host,
                 wait_until_serving=False, capture_stderr=True, on_start=watch("decode")))

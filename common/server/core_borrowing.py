@@ -53,7 +53,6 @@ class CoreBorrowingConfig:
     min_borrow_tokens: int = 512  # prefill: the shortest pass that borrows
     own_cpus: tuple[int, ...] = ()  # the engine thread stays on these ((): wherever it runs)
     borrowed_cpus: tuple[int, ...] = ()  # where the borrowed threads may run
-    io_cpus: tuple[int, ...] = ()  # where the process's I/O threads may run besides own_cpus
 
     @property
     def enabled(self) -> bool:
@@ -114,8 +113,8 @@ class CoreBorrowing:
 
     def on_engine_thread(self) -> None:
         """Called once by the engine thread when it starts: it runs on its own CPUs only (the
-        process may run on the borrowed ones too, for the workers, and on the I/O CPUs)."""
-        if (self.config.enabled or self.config.io_cpus) and self.config.own_cpus:
+        process may run on the borrowed ones too, for the workers)."""
+        if self.config.enabled and self.config.own_cpus:
             os.sched_setaffinity(0, self.config.own_cpus)
 
     def _use(self, threads: int) -> None:

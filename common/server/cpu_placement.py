@@ -72,42 +72,25 @@ def borrowable_cpus(cpu_affinity: str, borrow_cpus: str) -> tuple[int, ...]:
     return tuple(c for c in check_cpu_affinity(borrow_cpus) if c not in own)
 
 
-def _pin_every_thread(cpus: tuple[int, ...]) -> None:
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            os.sched_setaffinity(int(task.name), cpus)
-        except ProcessLookupError:  # the thread ended meanwhile
-            continue
-
-
-def apply_cpu_placement(torch_threads: int, cpu_affinity: str, borrow_cpus: str = "",
-                        io_cpus: str = "") -> tuple[int, tuple[int, ...]]:
-    """Pins every thread of this process to cpu_affinity plus borrow_cpus plus io_cpus (empty:
-    left as it is) and sets torch's intra-op threads to torch_threads (0: one per CPU of the
-    affinity when one is given, else torch's default); the borrowed CPUs add no thread here (the
-    engine adds them while its peer idles: common/server/core_borrowing.py). With io_cpus and no
-    borrowing, torch's worker threads start here on cpu_affinity alone (a parallel op while
-    this thread is there), so that only the I/O threads reach the extra CPUs; the engine thread
-    goes back to cpu_affinity when it starts (CoreBorrowing.on_engine_thread). Call before the
-    model runs, so that the threads torch starts later inherit the mask. Returns (torch
-    threads, CPUs) now in force."""
+def apply_cpu_placement(torch_threads: int, cpu_affinity: str,
+                        borrow_cpus: str = "") -> tuple[int, tuple[int, ...]]:
+    """Pins every thread of this process to cpu_affinity plus borrow_cpus (empty: left as it
+    is) and sets torch's intra-op threads to torch_threads (0: one per CPU of the affinity when
+    one is given, else torch's default); the borrowed CPUs add no thread here (the engine adds
+    them while its peer idles: common/server/core_borrowing.py). Call before the model runs, so
+    that the threads torch starts later inherit the mask. Returns (torch threads, CPUs) now in
+    force."""
     import torch
 
     if cpu_affinity:
         own = check_cpu_affinity(cpu_affinity)
-        borrowed = borrowable_cpus(cpu_affinity, borrow_cpus)
-        io = borrowable_cpus(cpu_affinity, io_cpus)
+        cpus = tuple(sorted(set(own) | set(borrowable_cpus(cpu_affinity, borrow_cpus))))
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                os.sched_setaffinity(int(task.name), cpus)
+            except ProcessLookupError:  # the thread ended meanwhile
+                continue
         torch_threads = torch_threads or len(own)
-        every = tuple(sorted({*own, *borrowed, *io}))
-        if io and not borrowed:
-            _pin_every_thread(own)
-            if torch_threads > 1:
-                torch.set_num_threads(torch_threads)
-                a = torch.ones(256, 256)
-                _ = a @ a  # a parallel op: the team starts on own and keeps that mask
-            os.sched_setaffinity(0, every)  # only this thread: the ones it starts inherit it
-        else:
-            _pin_every_thread(every)
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)
     return torch.get_num_threads(), allowed_cpus()

@@ -43,16 +43,14 @@ def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runti
     measured at that many. 0: PROFILE_TOKENS (decode, whose local prefill runs whole
     prompts)."""
     threads, cpus = apply_cpu_placement(config.torch_threads, config.cpu_affinity,
-                                        config.borrow_cpus, config.io_cpus)
+                                        config.borrow_cpus)
     borrowed = borrowable_cpus(config.cpu_affinity, config.borrow_cpus)
-    io = borrowable_cpus(config.cpu_affinity, config.io_cpus)
     own = check_cpu_affinity(config.cpu_affinity) if config.cpu_affinity else ()
     cores = CoreBorrowingConfig(threads, len(borrowed), config.busy_file, own_cpus=own,
-                                borrowed_cpus=borrowed, io_cpus=io,
+                                borrowed_cpus=borrowed,
                                 min_borrow_tokens=config.borrow_min_tokens)
     log.info("cpu_placement", torch_threads=threads, cpus=format_cpu_list(cpus),
-             borrowed_cpus=format_cpu_list(borrowed) if cores.enabled else "",
-             io_cpus=format_cpu_list(io))
+             borrowed_cpus=format_cpu_list(borrowed) if cores.enabled else "")
     device = config.torch_device()
     dtype = config.torch_dtype()
     kernels = resolve_backend(config.kernels, device)
