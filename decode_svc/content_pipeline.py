@@ -92,6 +92,7 @@ class ContentPipeline:
                 return
             if self.engine.peer_borrowing():
                 self.failed = self.deferred = True  # leave the CPUs to prefill's pass
+                self.engine.counters.add("content_checks_deferred")
                 return
             started = time.perf_counter()
             try:

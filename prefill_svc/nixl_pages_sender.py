@@ -120,8 +120,12 @@ class NixlPagesSender(KvSender):
         if len(regions) > MAX_REGIONS:
             self._fall_back("nixl_page_lease_fragmented")
             return
-        self.scrubbed_bytes = scrub_unwritten(self.pool, self.record.request_id, table,
-                                              self.num_tokens, first_end)
+        scrubbed = scrub_unwritten(self.pool, self.record.request_id, table, self.num_tokens,
+                                   first_end)
+        if scrubbed is None:  # its pages are gone (not reached: spans run before the finish)
+            self._fall_back("nixl_page_registrations_failed")
+            return
+        self.scrubbed_bytes = scrubbed
         try:
             reg = self.nixl.agent.register_regions(regions, share=True)
         except Exception:  # NIXL refused: this handoff goes packed, nothing held

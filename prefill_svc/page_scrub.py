@@ -38,20 +38,24 @@ def pool_fills_freed_pages(pool: KvPool) -> bool:
 
 
 def scrub_unwritten(pool: KvPool, owner: str, table: list[int], num_tokens: int,
-                    first_end: int) -> int:
-    """Zeroes owner's slots not written yet (see the module docstring) -> bytes zeroed.
+                    first_end: int) -> int | None:
+    """Zeroes owner's slots not written yet (see the module docstring) -> bytes zeroed, or None
+    (nothing zeroed, nothing may be registered) when owner no longer holds its pages: what it
+    had written is unknown then, and its table's first pages may be the prefix cache's, shared.
     table: owner's page table; first_end: the end of the tokens layer 0's first chunk covers."""
     if pool_fills_freed_pages(pool):
         return 0
+    if not pool.allocator.holds(owner):
+        return None
     size = pool.page_size
-    held = pool.allocator.holds(owner)  # else nothing counts as written: all of it is zeroed
-    written = min(pool.allocator.written_tokens(owner), num_tokens) if held else 0
+    written = min(pool.allocator.written_tokens(owner), num_tokens)
     layer0_from = min(max(written, first_end), num_tokens)
     later = slot_runs(table, size, written, num_tokens)
     layer0 = slot_runs(table, size, layer0_from, num_tokens)
     zeroed = 0
     for cache in (pool.k, pool.v):  # [L, P, S, Hkv, D], contiguous host memory
-        assert cache.device.type == "cpu" and cache.is_contiguous(), "a host pool's pages"
+        if cache.device.type != "cpu" or not cache.is_contiguous():
+            raise ValueError("only a contiguous host pool's pages can be zeroed by memset")
         row = cache[0, 0, 0].nbytes  # one slot of one layer
         layer_bytes = cache[0].nbytes
         for layer in range(cache.shape[0]):

@@ -51,4 +51,4 @@ class SharedMemorySender(OutOfBandSender):
                                        v_offset=v_offset, length=length)
 
     def _close(self) -> None:
-        self._region.close(recycle=self.peer_done)
+        self._region.close(recycle=self.peer_done, written=self._cursor)

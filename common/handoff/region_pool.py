@@ -68,6 +68,7 @@ class PooledFile:
     idle_since: float = 0.0  # time.monotonic() when it went back to the pool
     mapping: mmap.mmap | None = None  # [mapped] shared, writable; grown by remapping
     backed: int = 0  # bytes an earlier handoff wrote (pages that exist), set when reused
+    written: int = 0  # bytes [0, written) its last handoff wrote, set when given back
 
     def writable(self, n: int) -> np.ndarray | None:
         """[n] uint8, the file's bytes [0, n) through the kept mapping (made or grown here, its
@@ -110,7 +111,7 @@ class RegionPool:
                 chosen = min(fits, key=lambda f: f.size) if fits else max(idle,
                                                                           key=lambda f: f.size)
                 idle.remove(chosen)
-                chosen.backed = chosen.size  # what its last handoff wrote
+                chosen.backed = min(chosen.written, chosen.size)  # what its last handoff wrote
                 self.reused += 1
                 return chosen
             try:
@@ -123,8 +124,12 @@ class RegionPool:
         os.fchmod(fd, MODE)
         return PooledFile(fd, private, 0)
 
-    def give(self, directory: str, file: PooledFile, recycle: bool) -> None:
-        """Back to the pool (recycle, and within the bounds), or closed and removed."""
+    def give(self, directory: str, file: PooledFile, recycle: bool, written: int = 0) -> None:
+        """Back to the pool (recycle, and within the bounds), or closed and removed. written:
+        the bytes [0, written) its handoff wrote (a handoff that ended early leaves holes past
+        them, which a later one must not store into through a mapping: tmpfs allocates a page
+        at its first store, and a full tmpfs answers a store with SIGBUS, a pwritev with ENOSPC)."""
+        file.written = written
         with self._lock:
             self._out[directory] = self._out.get(directory, 0) - 1
             idle = self._idle.setdefault(directory, [])

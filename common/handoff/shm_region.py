@@ -89,16 +89,17 @@ class RegionWriter:
             offset += n
             _advance(views, n)
 
-    def close(self, recycle: bool = False) -> None:
+    def close(self, recycle: bool = False, written: int = 0) -> None:
         """Unlinks the public name; the file is closed, or with a pool given back to it
-        (recycle: the peer that read it said it is done, so it may serve a later handoff)."""
+        (recycle: the peer that read it said it is done, so it may serve a later handoff;
+        written: the bytes [0, written) this handoff wrote, RegionPool.give)."""
         try:
             os.unlink(self.path)  # first: a recycled file is never reachable by this name
         except FileNotFoundError:
             pass
         if self._fd >= 0:
             if self._pooled is not None:
-                self._pool.give(self.directory, self._pooled, recycle)
+                self._pool.give(self.directory, self._pooled, recycle, written)
             else:
                 os.close(self._fd)
             self._fd = -1

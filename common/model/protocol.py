@@ -5,7 +5,9 @@ Invariants of every implementation:
 - it is stateless over requests: a forward reads and writes KV only through the caches it is
   given, and only at the slots named by the batch (``slot_mapping``, the page table);
 - ``prefill`` stores a layer's KV before it calls ``on_layer_stored(layer)``, so a sender may
-  pack that layer as soon as it is told;
+  pack that layer as soon as it is told, and stores layer ``l + 1`` only after
+  ``on_layer_stored(l)`` returned (prefill_svc.page_scrub zeroes the later layers' slots from
+  there: a model that stored ahead would have them zeroed and be refused by decode's checks);
 - logits are float32 ``[B, vocab]``, one row per sequence of the batch, in batch order.
 """
 

@@ -165,7 +165,7 @@ class CoreBorrowing:
             yield
             return
         try:
-            self._lent.try_take()
+            self._lent.try_take()  # held by decode's probe this instant: speed only, never waited
             self._use(self.config.own_threads + self.config.borrowed_threads)
             yield
         finally:
@@ -189,5 +189,7 @@ class CoreBorrowing:
 
     def close(self) -> None:
         if self._lock is not None:
-            self._lock.close()
-            self._lent.close()
+            try:
+                self._lock.close()
+            finally:
+                self._lent.close()

@@ -169,3 +169,17 @@ def test_a_handoff_that_falls_back_to_the_packed_buffer_is_not_a_page_lease(plan
     assert counters.get("nixl_page_leases") == 0
     assert counters.get("nixl_page_lease_fallbacks") == 0  # the cap did not refuse it
     sender.release(True, peer_done=True)
+
+
+def test_pages_no_longer_held_are_never_zeroed(pool):
+    """What a released owner had written is unknown and its first pages may be the prefix
+    cache's: the scrub zeroes nothing and says so (None), so nothing is registered."""
+    from prefill_svc.page_scrub import scrub_unwritten
+
+    pages = pool.allocator.allocate("gone", 3 * pool.page_size)
+    pool.k.fill_(7.0)
+    pool.v.fill_(7.0)
+    pool.release("gone")
+    before = (pool.k.clone(), pool.v.clone())
+    assert scrub_unwritten(pool, "gone", pages, 3 * pool.page_size, pool.page_size) is None
+    assert torch.equal(pool.k, before[0]) and torch.equal(pool.v, before[1])

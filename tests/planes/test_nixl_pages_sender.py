@@ -36,7 +36,10 @@ def plane():
 
 @pytest.fixture
 def pool():
-    p = KvPool(PoolConfig(256, 16), 2, 2, 16, torch.float32, torch.device("cpu"))
+    # freed pages poisoned: these tables name pages no allocator handed out, and the P-68a scrub
+    # (prefill_svc/page_scrub.py, tested in test_nixl_pages_scrub.py) is not what is tested here
+    p = KvPool(PoolConfig(256, 16, poison_freed=True), 2, 2, 16, torch.float32,
+               torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     p.k.normal_(generator=gen)
     p.v.normal_(generator=gen)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from common.counters import Counters
 from common.handoff.reasons import HandoffRefused
 from common.kvpool.kv_cache import KvPool, PoolConfig
 from common.model.demo import build_demo_model
@@ -40,6 +41,7 @@ class InlineEngine:
         self.model, self.pool = model, pool
         self.queued = 0
         self.borrowing_at = borrowing_at  # the stage from which prefill borrows decode's CPUs
+        self.counters = Counters()
 
     def after_writes(self, then) -> None:
         self.queued += 1
@@ -151,6 +153,7 @@ def test_stages_leave_the_cpus_to_a_borrowed_prefill_pass(model, borrowing_at):
     for chunk in _chunks(model.config.num_layers, False):
         pipeline.on_chunk(chunk)
     assert pipeline.deferred and not pipeline.complete and pipeline.cursor == borrowing_at
+    assert pipeline.engine.counters.get("content_checks_deferred") == 1
     assert torch.equal(pool.k, before[0]) and torch.equal(pool.v, before[1])
     verdict = check_content(model, pool, "r", ids, SamplingConfig(), ContentCheckConfig(),
                             random.Random(0), prepared=pipeline)

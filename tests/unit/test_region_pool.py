@@ -143,10 +143,26 @@ def test_a_pooled_region_is_written_through_its_kept_mapping_within_its_size(tmp
         with pytest.raises(RegionError):  # nothing past the size, whatever was mapped before
             reader.read_into(size, np.empty(1, np.uint8))
         reader.close()
-        writer.close(recycle=True)
+        writer.close(recycle=True, written=size)
     assert len(inodes) == 1 and pool.reused == 3
     own_region = RegionWriter(str(tmp_path), 4096)
     assert own_region.writable() is None  # pwritev: a fresh mapping costs more than it saves
     own_region.close()
     pool.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_handoff_that_ended_early_leaves_no_mapping_over_its_holes(tmp_path):
+    """A file whose last handoff wrote only [0, written) is written by pwritev next time (a
+    store through a mapping into a hole of a full tmpfs would be SIGBUS, not ENOSPC)."""
+    pool = RegionPool()
+    first = RegionWriter(str(tmp_path), 8192, pool)
+    first.write(0, np.full(4096, 1, np.uint8))  # refused or cancelled after half of it
+    first.close(recycle=True, written=4096)
+    second = RegionWriter(str(tmp_path), 8192, pool)
+    assert pool.reused == 1 and second.writable() is None
+    second.write(0, np.full(8192, 2, np.uint8))
+    second.close(recycle=True, written=8192)
+    third = RegionWriter(str(tmp_path), 4096, pool)
+    assert third.writable() is not None and third.writable().size == 4096
+    third.close()
