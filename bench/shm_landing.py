@@ -34,8 +34,9 @@ import torch
 from common.handoff.layout import KvLayout
 from common.handoff.page_pieces import cache_bytes, kv_pieces
 from common.handoff.shm_region import RegionReader, RegionWriter
-from common.kvpool.kv_cache import KvPool, PoolConfig
+from common.kvpool.kv_cache import KvPool
 from decode_svc.inline_landing import land_blocks
+from bench.transfer_breakdown import random_host_pool
 from decode_svc.payload_pass import check_payload
 
 PAGE = 16
@@ -87,19 +88,11 @@ def rows(layout: KvLayout, pool: KvPool, tokens: int, chunks: int, shm_dir: str,
         reader.scatter_into((2 * i + 1) * side, pieces.v.pieces)
         assert check_payload(pieces.k, pieces.v, layout.dtype).finite
 
-    def per_block(block):
+    def per_block(fill, source, block):
+        """fill(source, offset): _region_fill over the reader or _mapped_fill over the mapping."""
         def land(i):
             pieces = landing[i % layers]
-            assert land_blocks(_region_fill(reader, 2 * i * side),
-                               _region_fill(reader, (2 * i + 1) * side),
-                               pieces.k, pieces.v, layout.dtype, block).finite
-        return land
-
-    def mmap_block(block):
-        def land(i):
-            pieces = landing[i % layers]
-            assert land_blocks(_mapped_fill(mapped, 2 * i * side),
-                               _mapped_fill(mapped, (2 * i + 1) * side),
+            assert land_blocks(fill(source, 2 * i * side), fill(source, (2 * i + 1) * side),
                                pieces.k, pieces.v, layout.dtype, block).finite
         return land
 
@@ -110,8 +103,10 @@ def rows(layout: KvLayout, pool: KvPool, tokens: int, chunks: int, shm_dir: str,
 
     fns = {"bare pread (no checks)": bare, "preadv into the pages (no checks)": preadv_only,
            "preadv, then pass": preadv_then_pass}
-    fns.update({f"pread per {b >> 10} KiB + checks": per_block(b) for b in blocks})
-    fns.update({f"mmap per {b >> 10} KiB + checks": mmap_block(b) for b in blocks})
+    fns.update({f"pread per {b >> 10} KiB + checks": per_block(_region_fill, reader, b)
+                for b in blocks})
+    fns.update({f"mmap per {b >> 10} KiB + checks": per_block(_mapped_fill, mapped, b)
+                for b in blocks})
     return fns, close
 
 
@@ -126,12 +121,7 @@ def main() -> None:
     torch.set_num_threads(1)
     layout = KvLayout(32, 8, 128, torch.bfloat16)
     sizes = [int(s) for s in args.chunk_mib.split(",")]
-    max_tokens = max(sizes) * (1 << 20) // layout.kv_bytes_per_token_per_layer
-    pool = KvPool(PoolConfig(pool_tokens=max_tokens, page_size=PAGE), 32, 8, 128,
-                  torch.bfloat16, torch.device("cpu"))
-    for cache in (pool.k, pool.v):
-        for layer in range(32):
-            cache[layer].normal_()
+    pool = random_host_pool(layout, max(sizes) * (1 << 20) // layout.kv_bytes_per_token_per_layer)
     for mib in sizes:
         tokens = mib * (1 << 20) // layout.kv_bytes_per_token_per_layer
         size = tokens * layout.kv_bytes_per_token_per_layer

@@ -38,6 +38,16 @@ from decode_svc.inline_landing import land_payload
 PAGE = 16
 
 
+def random_host_pool(layout: KvLayout, max_tokens: int) -> KvPool:
+    """A host pool of layout's shape for max_tokens, every layer's K and V random normal."""
+    pool = KvPool(PoolConfig(pool_tokens=max_tokens, page_size=PAGE), layout.num_layers,
+                  layout.num_kv_heads, layout.head_dim, layout.dtype, torch.device("cpu"))
+    for cache in (pool.k, pool.v):
+        for layer in range(layout.num_layers):
+            cache[layer].normal_()
+    return pool
+
+
 def _per_chunk(reps: int, fn) -> float:
     """Seconds per call of fn(i), i = 0..reps-1, after one warm-up call."""
     fn(0)
@@ -131,12 +141,7 @@ def main() -> None:
     torch.set_num_threads(1)
     layout = KvLayout(32, 8, 128, torch.bfloat16)
     sizes = [int(s) for s in args.chunk_mib.split(",")]
-    max_tokens = max(sizes) * (1 << 20) // layout.kv_bytes_per_token_per_layer
-    pool = KvPool(PoolConfig(pool_tokens=max_tokens, page_size=PAGE), 32, 8, 128,
-                  torch.bfloat16, torch.device("cpu"))
-    for cache in (pool.k, pool.v):
-        for layer in range(32):
-            cache[layer].normal_()
+    pool = random_host_pool(layout, max(sizes) * (1 << 20) // layout.kv_bytes_per_token_per_layer)
     for mib in sizes:
         tokens = mib * (1 << 20) // layout.kv_bytes_per_token_per_layer
         size = tokens * layout.kv_bytes_per_token_per_layer
