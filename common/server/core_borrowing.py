@@ -75,6 +75,16 @@ class _BusyLock:
                 return False
         return True
 
+    def held_elsewhere(self) -> bool:
+        """Whether another holder has it now: taken and given back at once when free (a lock
+        this side holds stays held)."""
+        if self.held:
+            return False
+        if not self.try_take():
+            return True
+        self.give_back()
+        return False
+
     def give_back(self) -> None:
         if self.held:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -150,11 +160,8 @@ class CoreBorrowing:
 
     # ---- prefill ----
     def _decode_idle(self) -> bool:
-        """Whether decode holds no busy file now (taken and given back at once)."""
-        if self._lock is None or not self._lock.try_take():
-            return False
-        self._lock.give_back()
-        return True
+        """Whether decode holds no busy file now."""
+        return self._lock is not None and not self._lock.held_elsewhere()
 
     @contextlib.contextmanager
     def prefill_pass(self, num_tokens: int) -> Iterator[None]:
@@ -181,11 +188,8 @@ class CoreBorrowing:
     # ---- decode, about prefill ----
     def peer_borrowing(self) -> bool:
         """Decode: whether prefill computes a pass on borrowed threads now (it holds the lent
-        file; taken and given back at once when free)."""
-        if self._lent is None or not self._lent.try_take():
-            return self._lent is not None
-        self._lent.give_back()
-        return False
+        file)."""
+        return self._lent is not None and self._lent.held_elsewhere()
 
     def close(self) -> None:
         if self._lock is not None:
