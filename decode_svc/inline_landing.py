@@ -27,13 +27,11 @@ import numpy as np
 import torch
 
 from common.handoff.codec import WireChunkFrame
-from common.handoff.crc import crc32c_extend
 from common.handoff.scattered import ScatteredBytes
 from common.handoff.verifier import Expectation, VerifiedChunk
 from decode_svc.engine import DecodeEngine
-from decode_svc.finite_bits import block_is_finite, value_width
 from decode_svc.page_landing import PageLanding
-from decode_svc.payload_pass import DEFAULT_BLOCK_BYTES, PayloadCheck, checksummed
+from decode_svc.payload_pass import DEFAULT_BLOCK_BYTES, PayloadCheck, block_pass, checksummed
 
 
 def land_payload(k: np.ndarray, v: np.ndarray, k_dest: ScatteredBytes, v_dest: ScatteredBytes,
@@ -60,23 +58,8 @@ def land_blocks(fill_k, fill_v, k_dest: ScatteredBytes, v_dest: ScatteredBytes,
     (at counts from the side's first byte; a fill that cannot raises, and nothing is answered),
     then the block's CRC-32C and finiteness are computed over part while it is in cache -> the
     PayloadCheck that payload_pass.check_payload(k_dest, v_dest, dtype) answers after the copy.
-    The CRC covers every byte whatever the finiteness answer."""
-    width = value_width(dtype)
-    block = max(width, block_bytes - block_bytes % width)
-    crc, finite, k_crc = 0, True, 0
-    for side, (fill, dest) in enumerate(((fill_k, k_dest), (fill_v, v_dest))):
-        if side == 1:
-            k_crc = crc
-        at = 0
-        for piece in dest.pieces:  # [run bytes] uint8, a view of the pages
-            for start in range(0, piece.size, block):
-                part = piece[start:start + block]
-                fill(at, part)
-                at += part.size
-                crc = crc32c_extend(crc, part)
-                if finite and part.size:
-                    finite = block_is_finite(part, dtype)
-    return PayloadCheck(k_crc, crc, finite)
+    The CRC covers every byte whatever the finiteness answer (payload_pass.block_pass)."""
+    return block_pass(((fill_k, k_dest.pieces), (fill_v, v_dest.pieces)), dtype, block_bytes)
 
 
 class InlineLanding:

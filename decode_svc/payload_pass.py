@@ -39,16 +39,29 @@ def check_payload(k, v, dtype: torch.dtype, block_bytes: int = DEFAULT_BLOCK_BYT
                   ) -> PayloadCheck:
     """k, v: uint8 arrays or ScatteredBytes, each piece holding whole values of dtype ->
     their CRC-32C (K then V) and finiteness, from one read of each block."""
+    return block_pass(((None, _pieces(k)), (None, _pieces(v))), dtype, block_bytes)
+
+
+def block_pass(sides, dtype: torch.dtype, block_bytes: int = DEFAULT_BLOCK_BYTES
+               ) -> PayloadCheck:
+    """sides: (K's, V's) (fill or None, uint8 pieces of whole values of dtype). Block by block
+    of each side's pieces in order, fill(at, part) first writes the source's bytes [at, at +
+    len(part)) into part (at counts from the side's first byte; a fill that cannot raises), then
+    the block's CRC-32C and finiteness are computed while it is in cache. The CRC covers every
+    byte whatever the finiteness answer."""
     width = value_width(dtype)
     block = max(width, block_bytes - block_bytes % width)
-    crc, finite = 0, True
-    k_crc = 0
-    for side, pieces in enumerate((_pieces(k), _pieces(v))):
+    crc, finite, k_crc = 0, True, 0
+    for side, (fill, pieces) in enumerate(sides):
         if side == 1:
             k_crc = crc
+        at = 0
         for data in pieces:
             for start in range(0, data.size, block):
                 part = data[start:start + block]  # [<= block] uint8
+                if fill is not None:
+                    fill(at, part)
+                    at += part.size
                 crc = crc32c_extend(crc, part)
                 if finite and part.size:
                     finite = block_is_finite(part, dtype)
