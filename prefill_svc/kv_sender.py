@@ -23,7 +23,7 @@ import abc
 import torch
 
 from common.handoff.codec import chunk_wire
-from common.handoff.page_pieces import cache_bytes, kv_pieces
+from common.handoff.page_pieces import KvPieces, cache_bytes, run_pieces, slot_runs
 from common.handoff.transfer import TransferRecord, TransferState
 
 
@@ -33,6 +33,22 @@ class KvSender(abc.ABC):
 
     def __init__(self, request_id: str = "") -> None:
         self.record = TransferRecord(request_id, self.plane)
+        self._pages: list[int] | None = None  # the job's page table, read once (`_runs`)
+        self._slot_runs: dict[tuple[int, int], list[tuple[int, int]]] = {}
+
+    def _runs(self, page_table: torch.Tensor, page_size: int, token_start: int,
+              token_end: int) -> list[tuple[int, int]]:
+        """slot_runs of tokens [token_start, token_end), computed once per token range: a job's
+        page table is fixed from its admission to its end (prefill_svc.engine: every page of
+        its prompt is allocated before its first pass), and every layer's chunks of a range
+        lie in the same slots."""
+        if self._pages is None:
+            self._pages = page_table.tolist()
+        runs = self._slot_runs.get((token_start, token_end))
+        if runs is None:
+            runs = self._slot_runs[(token_start, token_end)] = slot_runs(
+                self._pages, page_size, token_start, token_end)
+        return runs
 
     def spans(self, page_table: torch.Tensor, token_start: int, token_end: int,
               chunk_tokens: int) -> list[tuple[int, int]]:
@@ -57,9 +73,14 @@ class KvSender(abc.ABC):
         host ([2, n, Hkv, D] on the CPU)."""
         if k_cache.device.type != "cpu":
             return ops.pack_kv(k_cache, v_cache, page_table, token_start, num_tokens).cpu()
+        return self._cpu_pieces(k_cache, v_cache, page_table, token_start, num_tokens)
+
+    def _cpu_pieces(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, token_start: int, num_tokens: int) -> KvPieces:
+        """Tokens [token_start, +num_tokens) of one layer's CPU caches as views of the pages."""
         row = k_cache[0, 0].numel() * k_cache.element_size()
-        return kv_pieces(cache_bytes(k_cache), cache_bytes(v_cache), row, page_table.tolist(),
-                         k_cache.shape[1], token_start, token_start + num_tokens)
+        runs = self._runs(page_table, k_cache.shape[1], token_start, token_start + num_tokens)
+        return run_pieces(cache_bytes(k_cache), cache_bytes(v_cache), row, runs, num_tokens)
 
     @abc.abstractmethod
     def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,

@@ -29,7 +29,6 @@ from common.handoff.codec import chunk_payload, frame_wire
 from common.handoff.page_pieces import gather_into
 from common.handoff.crc import payload_crc32c
 from common.handoff.layout import KvLayout
-from common.kernels.pack_kv import pack_kv_cpu
 from common.pb.kvhandoff.v1 import handoff_pb2
 from prefill_svc.kv_sender import KvSender
 
@@ -97,9 +96,12 @@ class OutOfBandSender(KvSender):
                 return super().pack(ops, k_cache, v_cache, page_table, token_start, num_tokens)
             if self._cursor + nbytes > len(dest):
                 raise ValueError(f"chunk of {nbytes} bytes past the end of the destination")
+            pieces = self._cpu_pieces(k_cache, v_cache, page_table, token_start, num_tokens)
+            half = self._cursor + nbytes // 2
+            gather_into(dest[self._cursor:half], pieces.k)  # one copy per run of slots
+            gather_into(dest[half:self._cursor + nbytes], pieces.v)
             window = torch.from_numpy(dest[self._cursor:self._cursor + nbytes])
-            out = window.view(k_cache.dtype).view(shape)  # [2, n, Hkv, D] in the destination
-            return pack_kv_cpu(k_cache, v_cache, page_table, token_start, out)
+            return window.view(k_cache.dtype).view(shape)  # [2, n, Hkv, D] in the destination
 
     def chunk(self, request_id: str, sequence_number: int, layer: int, token_start: int,
               kv, nonce: bytes) -> bytes | None:

@@ -59,10 +59,16 @@ def kv_pieces(k_layer: np.ndarray, v_layer: np.ndarray, row: int, page_table: Se
               page_size: int, token_start: int, token_end: int) -> KvPieces:
     """k_layer, v_layer: one layer's bytes (cache_bytes); row: bytes per token slot."""
     runs = slot_runs(page_table, page_size, token_start, token_end)
-    nbytes = (token_end - token_start) * row
+    return run_pieces(k_layer, v_layer, row, runs, token_end - token_start)
+
+
+def run_pieces(k_layer: np.ndarray, v_layer: np.ndarray, row: int,
+               runs: Sequence[tuple[int, int]], num_tokens: int) -> KvPieces:
+    """kv_pieces of runs slot_runs already gave (the same for every layer of a token range)."""
+    nbytes = num_tokens * row
     k, v = (ScatteredBytes(tuple(layer[a * row:b * row] for a, b in runs), nbytes)
             for layer in (k_layer, v_layer))
-    return KvPieces(k, v, token_end - token_start)
+    return KvPieces(k, v, num_tokens)
 
 
 def gather_into(dest: np.ndarray, data) -> None:
