@@ -1,9 +1,15 @@
 """Row helpers for the CPU kernels compiled by numba (common/kernels/*_numba.py).
 
-numba has no bfloat16, so a bfloat16 tensor reaches a kernel as its uint16 bits (`bits_view`),
-and a kernel widens each row into a float32 scratch row and rounds results back through the
+numba has no bfloat16, so a bfloat16 tensor reaches a kernel as its uint16 bits, and a kernel
+widens each row into a float32 scratch row and rounds results back through the
 bits of that row, the way torch converts: widening is exact (the 16 bits are a float32's top
 half), narrowing rounds to nearest, ties to even, and a NaN stays a quiet NaN.
+
+A tensor reaches a kernel as its address (`address`) and the kernel sees it as an array again
+(`u16_at`, `f32_at`): a numpy view per argument (`Tensor.view(...).numpy()` and numba's typing
+of it) cost ~2.5 us each, which at decode's batch sizes was more than the loop itself. The
+caller keeps the tensor alive for the call and states its shape; the kernels read and write
+only within it.
 
 Kernels are compiled on first use and cached beside their source (`kernel`); where the
 install cannot be written (a read-only image) and no per-user cache exists, each process
@@ -19,6 +25,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 import torch
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
 _SHIFT = np.uint32(16)
 _HALF_ULP = np.uint32(0x7FFF)
@@ -41,9 +49,40 @@ def kernel(**options):
 
 
 def bits_view(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor -> the numpy array numba kernels take: its own values for float32, its
-    uint16 bits for bfloat16 (the same memory, no copy)."""
+    """A CPU tensor -> a numpy array of the same memory: its own values for float32, its
+    uint16 bits for bfloat16 (tests and tools; the kernels take `address`)."""
     return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def address(t: torch.Tensor) -> int:
+    """A contiguous CPU tensor -> the address of its first element, for a kernel."""
+    return t.data_ptr()
+
+
+@intrinsic
+def _pointer(typingctx, addr):
+    """An integer address -> a void pointer numba.carray accepts."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+    return types.voidptr(addr), codegen
+
+
+@numba.njit(inline="always")
+def u16_at(addr, shape):
+    """The uint16 array (bfloat16 bits) of `shape` (a tuple) at addr, C order."""
+    return numba.carray(_pointer(addr), shape, np.uint16)
+
+
+@numba.njit(inline="always")
+def f32_at(addr, shape):
+    """The float32 array of `shape` (a tuple) at addr, C order."""
+    return numba.carray(_pointer(addr), shape, np.float32)
+
+
+@numba.njit(inline="always")
+def i64_at(addr, shape):
+    """The int64 array of `shape` (a tuple) at addr, C order."""
+    return numba.carray(_pointer(addr), shape, np.int64)
 
 
 @numba.njit(inline="always")

@@ -15,15 +15,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.kernels.numba_rows import bits_view, kernel, narrow_row, round_row, widen_row
+from common.kernels.numba_rows import (address, f32_at, kernel, narrow_row, round_row, u16_at,
+                                       widen_row)
 
 _SUM = {"reassoc"}  # the sum of squares may be reordered (vectorised); nothing else
 
 
 @kernel(fastmath=_SUM)
-def _rmsnorm_bf16(x, residual, weight, eps, out, residual_out, has_residual):
-    # x, residual, out, residual_out: [T, H] uint16; weight: [H] uint16 (bfloat16 bits)
-    num_rows, width = x.shape
+def _rmsnorm_bf16(x_at, residual_at, weight_at, out_at, summed_at, num_rows, width, eps):
+    # x, residual, out, summed: [T, H]; weight: [H]; bfloat16 bits; residual_at 0: none
+    x = u16_at(x_at, (num_rows, width))
+    out = u16_at(out_at, (num_rows, width))
+    weight = u16_at(weight_at, (width,))
     row = np.empty(width, np.uint32)
     row_f = row.view(np.float32)
     other = np.empty(width, np.uint32)
@@ -33,12 +36,14 @@ def _rmsnorm_bf16(x, residual, weight, eps, out, residual_out, has_residual):
     w_f = w.view(np.float32)
     for t in range(num_rows):
         widen_row(x[t], row)
-        if has_residual:
+        if residual_at != 0:
+            residual = u16_at(residual_at, (num_rows, width))
+            summed = u16_at(summed_at, (num_rows, width))
             widen_row(residual[t], other)
             for i in range(width):
                 row_f[i] = row_f[i] + other_f[i]
             round_row(row)
-            narrow_row(row, residual_out[t])
+            narrow_row(row, summed[t])
         total = np.float32(0.0)
         for i in range(width):
             total += row_f[i] * row_f[i]
@@ -52,15 +57,19 @@ def _rmsnorm_bf16(x, residual, weight, eps, out, residual_out, has_residual):
 
 
 @kernel(fastmath=_SUM)
-def _rmsnorm_f32(x, residual, weight, eps, out, residual_out, has_residual):
-    # x, residual, out, residual_out: [T, H] float32; weight: [H] float32
-    num_rows, width = x.shape
+def _rmsnorm_f32(x_at, residual_at, weight_at, out_at, summed_at, num_rows, width, eps):
+    # x, residual, out, summed: [T, H]; weight: [H]; float32; residual_at 0: none
+    x = f32_at(x_at, (num_rows, width))
+    out = f32_at(out_at, (num_rows, width))
+    weight = f32_at(weight_at, (width,))
     for t in range(num_rows):
         src = x[t]
-        if has_residual:
+        if residual_at != 0:
+            residual = f32_at(residual_at, (num_rows, width))
+            summed = f32_at(summed_at, (num_rows, width))
             for i in range(width):
-                residual_out[t, i] = x[t, i] + residual[t, i]
-            src = residual_out[t]
+                summed[t, i] = x[t, i] + residual[t, i]
+            src = summed[t]
         total = np.float32(0.0)
         for i in range(width):
             total += src[i] * src[i]
@@ -70,7 +79,7 @@ def _rmsnorm_f32(x, residual, weight, eps, out, residual_out, has_residual):
 
 
 def supports(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+    return x.is_cpu and (x.dtype is torch.float32 or x.dtype is torch.bfloat16)
 
 
 def rmsnorm_numba(
@@ -78,17 +87,18 @@ def rmsnorm_numba(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x, residual: [T, H]; weight: [H], all one dtype (`supports`) -> (weight * normed:
     [T, H], x + residual or None)."""
-    assert supports(x) and weight.dtype == x.dtype, (x.dtype, weight.dtype, x.device)
-    assert x.dim() == 2 and weight.shape == (x.shape[1],), (x.shape, weight.shape)
-    x = x.contiguous()
+    assert supports(x) and weight.dtype is x.dtype, (x.dtype, weight.dtype, x.device)
+    num_rows, width = x.shape
+    assert weight.shape == (width,), (x.shape, weight.shape)
+    x, weight = x.contiguous(), weight.contiguous()
     out = torch.empty_like(x)
     summed = None
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype
+        assert residual.shape == x.shape and residual.dtype is x.dtype
         residual = residual.contiguous()
         summed = torch.empty_like(x)
-    kernel = _rmsnorm_bf16 if x.dtype == torch.bfloat16 else _rmsnorm_f32
-    kernel(bits_view(x), bits_view(residual if residual is not None else x),
-           bits_view(weight.contiguous()), float(eps), bits_view(out),
-           bits_view(summed if summed is not None else out), residual is not None)
+    kernel_fn = _rmsnorm_bf16 if x.dtype is torch.bfloat16 else _rmsnorm_f32
+    kernel_fn(address(x), 0 if residual is None else address(residual), address(weight),
+              address(out), 0 if summed is None else address(summed), num_rows, width,
+              float(eps))
     return out, summed

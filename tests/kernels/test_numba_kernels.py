@@ -90,6 +90,16 @@ def test_rope_equals_the_reference_bit_for_bit(num_tokens, group, head_dim, dtyp
     assert not torch.equal(q, q_before), "nothing was rotated"
 
 
+def test_rope_position_outside_the_table_raises_and_writes_nothing():
+    cos_sin = build_cos_sin(64, 32, 10000.0, torch.device("cpu"))
+    (q, k, _), _ = _fused_qkv(3, 2, 32, BF16)
+    before = (q.clone(), k.clone())
+    for bad in (64, -1):
+        with pytest.raises(IndexError):
+            rope_numba(q, k, torch.tensor([0, 5, bad]), cos_sin)
+        assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
 def test_rope_bfloat16_within_rounding_of_float32():
     cos_sin = build_cos_sin(4096, 64, 500000.0, torch.device("cpu"))
     (q, k, _), positions = _fused_qkv(33, 4, 64, BF16, seed=3)
