@@ -38,8 +38,12 @@ _LOW = np.uint32(0xFFFF0000)
 
 
 def kernel(**options):
-    """numba.njit with on-disk caching where a cache location exists, else without: a read-only
-    install must still run (numba refuses `cache=True` there at decoration time)."""
+    """numba.njit releasing the GIL (the services' event loop runs beside the engine thread, as
+    it does beside torch's ops), with on-disk caching where a cache location exists, else
+    without: a read-only install must still run (numba refuses `cache=True` there at decoration
+    time)."""
+    options.setdefault("nogil", True)
+
     def compile_it(fn):
         try:
             return numba.njit(cache=True, **options)(fn)
