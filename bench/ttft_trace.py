@@ -15,7 +15,9 @@ first chunk (prefill's layer 0 done), last chunk (its pass done), stream ended (
 verified (form and content)); `handoff_content_verified` the content checks' seconds;
 `request_finished` first_token_ms (the first token handed to the front door). Prefill's
 `prefill_started` (header sent, job queued on its engine) and `prefill_streamed` (every frame
-sent) are placed on the same axis through the log timestamps. Prints the median of each
+sent) are placed on the same axis through the log timestamps, and with them the marks
+prefill_streamed carries (`marks_ago_ms`: the call received, the job admitted on the engine,
+its first and last chunk and its commit handed to the event loop). Prints the median of each
 milestone per plane and length, and the client's TTFT.
 """
 
@@ -78,6 +80,9 @@ def timelines(decode_log: Path, prefill_log: Path | None) -> dict[int, list[dict
             row["prefill: header sent, job queued"] = (_at(event) - row["_arrived"]) * 1e3
         elif event.get("event") == "prefill_streamed":
             row["prefill: every frame sent"] = (_at(event) - row["_arrived"]) * 1e3
+            for name, ago in (event.get("marks_ago_ms") or {}).items():  # the engine's marks
+                row[f"prefill: {name.replace('_', ' ')}"] = (
+                    (_at(event) - row["_arrived"]) * 1e3 - ago)
     out: dict[int, list[dict[str, float]]] = {}
     for row in by_request.values():
         if "tokens" in row:

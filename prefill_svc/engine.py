@@ -72,6 +72,9 @@ class PrefillJob:
     cached_tokens: int = 0
     streamed_tokens: int = 0
     cache_scope: bytes = b""  # who may share its cached prefix (decode's, SPEC.md D-80)
+    # time.monotonic() of its milestones on the engine thread (admitted, first_chunk_emitted,
+    # last_chunk_emitted, commit_emitted), for the servicer's log line: where its time went
+    marks: dict[str, float] = field(default_factory=dict)
 
 
 class _PassCancelled(Exception):
@@ -208,7 +211,8 @@ class PrefillEngine:
                                              f"could not reserve KV pages: {exc}", job.nonce)))
             job.emit(None)
             return False
-        self.metrics.queued(time.monotonic() - job.submitted)
+        job.marks["admitted"] = time.monotonic()
+        self.metrics.queued(job.marks["admitted"] - job.submitted)
         self._jobs.append(job)
         self._running = len(self._jobs)
         return True
@@ -266,6 +270,7 @@ class PrefillEngine:
             return
         job.emit(frame_wire(commit_frame(job.request_id, len(job.token_ids), job.chunks_sent,
                                          first, nonce=job.nonce)))
+        job.marks["commit_emitted"] = time.monotonic()
         self._keep_prefix(job)
         self.counters.add("handoffs_completed")
         self.metrics.handoff(time.monotonic() - job.submitted,
@@ -358,3 +363,5 @@ class PrefillEngine:
                 return
             job.emit(frame)
             job.chunks_sent += 1
+            job.marks["last_chunk_emitted"] = time.monotonic()
+            job.marks.setdefault("first_chunk_emitted", job.marks["last_chunk_emitted"])

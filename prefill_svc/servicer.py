@@ -10,6 +10,7 @@ decode's lines of the same request.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -142,6 +143,7 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
         return InlineSender(request.request_id)
 
     async def Prefill(self, request: handoff_pb2.PrefillRequest, context):
+        received = time.monotonic()
         log = self.log.bind(
             request_id=request_id_from(context.invocation_metadata()) or request.request_id,
             prompt_tokens=len(request.token_ids))
@@ -179,7 +181,8 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
                 self.engine.frame_sent(job, len(frame))  # the bytes the engine emitted
             completed = True
             log.info("prefill_streamed", chunks=job.chunks_sent, plane=job.sender.plane,
-                     cached_tokens=job.cached_tokens)
+                     cached_tokens=job.cached_tokens,
+                     marks_ago_ms=marks_ago_ms({"received": received, **job.marks}))
         finally:
             if not job.cancelled.is_set():
                 job.cancelled.set()  # no-op once the engine is done; stops work when decode left
@@ -188,6 +191,14 @@ class HandoffServicer(handoff_pb2_grpc.HandoffServiceServicer):
                 job.sender.release(completed)  # nothing outlives an inline stream
             else:  # decode may still be copying: it releases, or the grace period does (P-62)
                 self.leases.stream_ended(request.request_id, request.nonce, completed)
+
+
+def marks_ago_ms(marks: dict[str, float]) -> dict[str, float]:
+    """{milestone: ms from it to now}, earliest first: a log line's own timestamp places them
+    on the wall clock (bench/ttft_trace.py), the intervals themselves are monotonic."""
+    now = time.monotonic()
+    return {name: round((now - at) * 1e3, 3)
+            for name, at in sorted(marks.items(), key=lambda item: item[1])}
 
 
 SERVICE = handoff_pb2.DESCRIPTOR.services_by_name["HandoffService"]
