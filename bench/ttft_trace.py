@@ -6,7 +6,8 @@ same engine in one process (decode --local-prefill), from the services' own logs
 
 With --baseline-tree DIR (another checkout: the tree before a change) each plane's pair also
 runs from DIR, named PLANE@base, side by side with this tree's, so a change is measured A/B in
-one run on the same load.
+one run on the same load; half the requests then go in the reverse turn order (the first
+deployment in turn follows the last one's leftovers: `_paired_ttfts`).
 
 One request at a time (max_tokens 1), the deployments taking turns request by request (as
 `kvhandoff bench ttft`). Per request, decode's `handoff_verified` line carries its timeline
@@ -102,6 +103,26 @@ def _start_from(tree: Path, mode: str, flags: list[str], workdir: Path, threads:
         servers.REPO = repo
 
 
+async def _paired_ttfts(addresses: dict[str, str], lengths: list[int], repeats: int,
+                        vocab: int, orders: int) -> dict[str, dict[int, list[float]]]:
+    """bench.ttft._ttfts in `orders` rounds (1 or 2) of about repeats / orders requests each,
+    the second with the deployments' turn order reversed: a deployment's request pays for what
+    the one before it left running (a shared-memory decode's ReleaseHandoff, its prefill's pool
+    prune), so in one order the first deployment is measured against a busier machine than
+    the others; reversing the order for half the requests gives every one both neighbours."""
+    out: dict[str, dict[int, list[float]]] = {name: {n: [] for n in lengths}
+                                              for name in addresses}
+    names = list(addresses)
+    for k in range(orders):
+        order = names if k % 2 == 0 else names[::-1]
+        part = await _ttfts({name: addresses[name] for name in order}, lengths,
+                            -(-repeats // orders), vocab, lambda text: None)
+        for name in names:
+            for n in lengths:
+                out[name][n] += part[name][n]
+    return out
+
+
 def _median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
     rows = rows[1:] if len(rows) > 1 else rows  # the warm-up round
     names = sorted({n for r in rows for n in r},
@@ -140,9 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                 deployments[name] = _start_from(
                     args.baseline_tree if name.endswith("@base") else servers.REPO,
                     mode, flags, Path(tmp) / name, args.torch_threads, decode_flags)
-            ttft = run_async(lambda: _ttfts({n: d.address for n, d in deployments.items()},
-                                            lengths, args.repeats, model_vocab_size(args.model),
-                                            lambda text: None))
+            ttft = run_async(lambda: _paired_ttfts(
+                {n: d.address for n, d in deployments.items()}, lengths, args.repeats,
+                model_vocab_size(args.model), 2 if args.baseline_tree else 1))
         finally:
             for deployment in deployments.values():
                 deployment.stop()
