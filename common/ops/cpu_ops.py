@@ -35,12 +35,12 @@ class CpuOps(TorchOps):
     name: str = "cpu"
 
     def rmsnorm(self, x, weight, eps, residual):
-        if rmsnorm_numba_supports(x) and weight.dtype == x.dtype:
+        if rmsnorm_numba_supports(x, weight, residual):
             return rmsnorm_numba(x, weight, eps, residual)
         return rmsnorm_inplace(x, weight, eps, residual)
 
     def rope(self, q, k, positions, cos_sin):
-        if rope_numba_supports(q, k):
+        if rope_numba_supports(q, k, positions, cos_sin):
             rope_numba(q, k, positions, cos_sin)
         else:
             rope_joint(q, k, positions, cos_sin)
