@@ -21,9 +21,9 @@ from common.kernels.rmsnorm_numba import supports as rmsnorm_supports
 from common.kernels.rope import build_cos_sin, rope_reference
 from common.kernels.rope_numba import rope_numba
 from common.kernels.rope_numba import supports as rope_supports
+from tests.helpers.rope_inputs import fused_qkv
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-NUM_KV_HEADS = 2
 
 
 def _rows(num_tokens, width, dtype, seed=0, scale=3.0):
@@ -108,14 +108,6 @@ def test_rmsnorm_nan_in_the_residual_and_empty_inputs(dtype):
     assert empty.shape == (0, 32) and empty_sum.shape == (0, 32)
 
 
-def _fused_qkv(num_tokens, group, head_dim, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    hq = NUM_KV_HEADS * group
-    qkv = (3 * torch.randn(num_tokens, hq + 2 * NUM_KV_HEADS, head_dim, generator=gen)).to(dtype)
-    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
-    return qkv.split([hq, NUM_KV_HEADS, NUM_KV_HEADS], dim=1), positions
-
-
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize(("num_tokens", "group", "head_dim"),
                          [(1, 1, 64), (17, 4, 128), (1025, 2, 64), (8, 4, 32)])
@@ -124,7 +116,7 @@ def test_rope_equals_the_reference_bit_for_bit(num_tokens, group, head_dim, dtyp
                                                contiguous):
     """Strided: q and k are views of one fused qkv buffer, v must be left alone."""
     cos_sin = build_cos_sin(4096, head_dim, 10000.0, torch.device("cpu"))
-    (q, k, v), positions = _fused_qkv(num_tokens, group, head_dim, dtype)
+    _, (q, k, v), positions = fused_qkv(num_tokens, group, head_dim, dtype)
     if contiguous:
         q, k = q.contiguous(), k.contiguous()
     v_before, q_ref, k_ref, q_before = v.clone(), q.clone(), k.clone(), q.clone()
@@ -177,7 +169,7 @@ def test_overlapping_or_foreign_arguments_are_refused():
 
 def test_rope_position_outside_the_table_raises_and_writes_nothing():
     cos_sin = build_cos_sin(64, 32, 10000.0, torch.device("cpu"))
-    (q, k, _), _ = _fused_qkv(3, 2, 32, BF16)
+    _, (q, k, _), _ = fused_qkv(3, 2, 32, BF16)
     before = (q.clone(), k.clone())
     for bad in (64, -1):
         with pytest.raises(IndexError):
@@ -187,7 +179,7 @@ def test_rope_position_outside_the_table_raises_and_writes_nothing():
 
 def test_rope_bfloat16_within_rounding_of_float32():
     cos_sin = build_cos_sin(4096, 64, 500000.0, torch.device("cpu"))
-    (q, k, _), positions = _fused_qkv(33, 4, 64, BF16, seed=3)
+    _, (q, k, _), positions = fused_qkv(33, 4, 64, BF16, seed=3)
     q32, k32 = q.float(), k.float()
     rope_reference(q32, k32, positions, cos_sin)
     rope_numba(q, k, positions, cos_sin)

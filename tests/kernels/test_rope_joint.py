@@ -9,17 +9,9 @@ import torch
 
 from common.kernels.rope import build_cos_sin, rope_reference
 from common.kernels.rope_joint import rope_joint
+from tests.helpers.rope_inputs import fused_qkv
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-NUM_KV_HEADS = 2
-
-
-def _fused_qkv(num_tokens, group, head_dim, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    hq = NUM_KV_HEADS * group
-    qkv = (3 * torch.randn(num_tokens, hq + 2 * NUM_KV_HEADS, head_dim, generator=gen)).to(dtype)
-    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
-    return qkv, qkv.split([hq, NUM_KV_HEADS, NUM_KV_HEADS], dim=1), positions
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
@@ -29,7 +21,7 @@ def test_equals_the_reference_bit_for_bit(num_tokens, group, head_dim, dtype):
     """q and k are views of one fused qkv buffer (the model's layout); v must be left alone.
     Up to JOINT_MAX_TOKENS the joint path runs, 1025 tokens take the reference."""
     cos_sin = build_cos_sin(4096, head_dim, 10000.0, torch.device("cpu"))
-    qkv, (q, k, v), positions = _fused_qkv(num_tokens, group, head_dim, dtype)
+    qkv, (q, k, v), positions = fused_qkv(num_tokens, group, head_dim, dtype)
     v_before, q_ref, k_ref, q_before = v.clone(), q.clone(), k.clone(), q.clone()
     rope_joint(q, k, positions, cos_sin)
     rope_reference(q_ref, k_ref, positions, cos_sin)
@@ -41,7 +33,7 @@ def test_equals_the_reference_bit_for_bit(num_tokens, group, head_dim, dtype):
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_half_types_within_rounding_of_the_float32_reference(dtype):
     cos_sin = build_cos_sin(4096, 64, 500000.0, torch.device("cpu"))
-    _, (q, k, _), positions = _fused_qkv(33, 4, 64, dtype, seed=3)
+    _, (q, k, _), positions = fused_qkv(33, 4, 64, dtype, seed=3)
     q32, k32 = q.float(), k.float()
     rope_reference(q32, k32, positions, cos_sin)
     rope_joint(q, k, positions, cos_sin)
