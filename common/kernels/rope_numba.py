@@ -32,15 +32,24 @@ def _layout(x: torch.Tensor) -> tuple[int, int, int] | None:
     return heads, token_stride, head_stride
 
 
+def _layouts(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+             cos_sin: torch.Tensor) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
+    """q's and k's `_layout` when rope_numba takes these arguments (see `supports`), else
+    None."""
+    if not (q.dtype in (torch.float32, torch.bfloat16) and k.dtype is q.dtype
+            and q.is_cpu and k.is_cpu and positions.is_cpu and cos_sin.is_cpu
+            and q.dim() == 3 and k.dim() == 3 and positions.dtype is torch.int64
+            and cos_sin.dtype is torch.float32 and cos_sin.is_contiguous()):
+        return None
+    q_layout, k_layout = _layout(q), _layout(k)
+    return None if q_layout is None or k_layout is None else (q_layout, k_layout)
+
+
 def supports(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
              cos_sin: torch.Tensor) -> bool:
     """Whether rope_numba takes these: CPU tensors, q and k of one dtype (float32 or bfloat16),
     rows that do not overlap, int64 positions and a contiguous float32 table."""
-    return (q.dtype in (torch.float32, torch.bfloat16) and k.dtype is q.dtype
-            and q.is_cpu and k.is_cpu and positions.is_cpu and cos_sin.is_cpu
-            and q.dim() == 3 and k.dim() == 3 and positions.dtype is torch.int64
-            and cos_sin.dtype is torch.float32 and cos_sin.is_contiguous()
-            and _layout(q) is not None and _layout(k) is not None)
+    return _layouts(q, k, positions, cos_sin) is not None
 
 
 def rope_numba(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
@@ -48,7 +57,8 @@ def rope_numba(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     """q: [T, Hq, D], k: [T, Hkv, D], positions: [T] int64, cos_sin: [P, D] float32 (cos | sin),
     as `supports` says; in place. Raises ValueError for other arguments and IndexError (nothing
     written) for a position outside the table: the loop reads raw memory."""
-    if not supports(q, k, positions, cos_sin):
+    layouts = _layouts(q, k, positions, cos_sin)
+    if layouts is None:
         raise ValueError("rope_numba: CPU q, k of one dtype (float32/bfloat16) with rows that "
                          "do not overlap, int64 positions, a contiguous float32 table")
     num_tokens, _, head_dim = q.shape
@@ -61,6 +71,6 @@ def rope_numba(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     positions = positions.contiguous()
     loop = rope_bf16 if q.dtype is torch.bfloat16 else rope_f32
     if not loop(address(q), address(k), address(positions), address(cos_sin), num_tokens,
-                _layout(q), _layout(k), cos_sin.shape[0], head_dim):
+                *layouts, cos_sin.shape[0], head_dim):
         raise IndexError(f"rope_numba: a position outside the cos/sin table's "
                          f"{cos_sin.shape[0]} rows")
