@@ -27,8 +27,14 @@ def main(argv: list[str]) -> int:
         return 2 if argv and argv[0] not in ("-h", "--help") else 0
     import importlib
 
+    from bench.errors import user_errors
+
     module = importlib.import_module(BENCHMARKS[argv[0]][0])
-    return module.main(argv[1:])
+    try:
+        return module.main(argv[1:])
+    except user_errors() as err:  # the user's input, said in one line; a bug keeps its trace
+        print(f"kvhandoff bench {argv[0]}: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

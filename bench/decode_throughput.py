@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from bench.errors import BenchRequestFailed
+from common.capacity import CapacityError
 from common.config import ServiceConfig
 from common.counters import Counters
 from common.log import make_logger
@@ -69,7 +71,7 @@ def run_batch(engine: LocalPrefillEngine, batch: int, prompt_len: int, new_token
         ids = [(13 * i + 7 * t) % 90 + 3 for t in range(prompt_len)]
         pages = _answer(lambda done, r=rid: engine.reserve(r, prompt_len + new_tokens - 1, done))
         if not isinstance(pages, list):
-            raise RuntimeError(f"reservation refused: {pages}")
+            raise BenchRequestFailed(f"reservation refused: {pages}")
         first = _answer(lambda done, r=rid, ids=ids: engine.prefill(r, ids, greedy, done))
         sequences.append(Sequence(rid, prompt_len, ids + [first], new_tokens, greedy,
                                   frozenset(), finish.emit))
@@ -82,7 +84,7 @@ def run_batch(engine: LocalPrefillEngine, batch: int, prompt_len: int, new_token
     for seq in sequences:
         engine.release(seq.request_id)
     if finish.errors:
-        raise RuntimeError(f"decode failed: {finish.errors[0]}")
+        raise BenchRequestFailed(f"decode failed: {finish.errors[0]}")
     return elapsed, cpu
 
 
@@ -109,7 +111,11 @@ def main(argv: list[str]) -> int:
                            pool_tokens=max(batches) * (per_seq + 16) + 64,
                            max_context_tokens=per_seq, allow_context_beyond_pool=True)
     log = make_logger("decode", stream=io.StringIO())
-    runtime = build_runtime(config, log)
+    try:
+        runtime = build_runtime(config, log)
+    except CapacityError as err:  # the window comes from this bench's flags: name them
+        raise CapacityError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} "
+                            f"= {per_seq} tokens a sequence: {err}") from None
     warm_up(runtime)
     engine = LocalPrefillEngine(runtime.model, runtime.pool, max_batch=max(batches),
                                 max_waiting=max(batches), log=log, counters=Counters())

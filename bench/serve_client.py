@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from bench.errors import BenchRequestFailed
 from common.errors import error_reason
 from common.pb.kvhandoff.v1 import generate_pb2, generate_pb2_grpc
 
@@ -179,4 +180,4 @@ async def warm_up(backend, specs: list[RequestSpec], timeout: float) -> None:
         for spec in specs:
             result = await send(spec, timeout)
             if result.error:
-                raise RuntimeError(f"warm-up request failed: {result.error}")
+                raise BenchRequestFailed(f"warm-up request failed: {result.error}")

@@ -47,6 +47,7 @@ from bench.serve_client import RequestSpec, run_one
 from bench.servers import model_vocab_size, start_deployment
 from common.pb.kvhandoff.v1 import generate_pb2_grpc
 from common.server.grpc_server import run_async
+from bench.errors import BenchRequestFailed
 from common.server.launch import ServiceStartError
 
 DEMO_WINDOW = 4096
@@ -106,7 +107,7 @@ async def _ttfts(addresses: dict[str, str], lengths: list[int], repeats: int, vo
                 for mode, stub in stubs.items():
                     result = await run_one(stub, RequestSpec(ids, 1), 600.0)
                     if not result.ok:
-                        raise RuntimeError(f"{mode}: {length}-token request failed: "
+                        raise BenchRequestFailed(f"{mode}: {length}-token request failed: "
                                            f"{result.error}")
                     if rep:
                         out[mode][length].append(result.ttft)

@@ -153,6 +153,23 @@ def test_model_refusals_name_the_input(tmp_path):
     assert line.startswith("kvhandoff prefill: refusing to start: ") and "not valid JSON" in line
 
 
+# 6b: a benchmark given a model or a window it cannot use says so in one line
+@pytest.mark.parametrize("argv, says", [
+    (["decode", "--model", "MISSING", "--batches", "1"], "MISSING: no such directory"),
+    (["prefill", "--model", "MISSING"], "MISSING: no such directory"),
+    (["decode", "--model", "demo", "--batches", "1", "--prompt-len", "5000"],
+     "--prompt-len 5000 + --new-tokens 64 = 5064 tokens a sequence: "),
+])
+def test_a_benchmark_refusal_is_one_line(tmp_path, argv, says):
+    missing = str(tmp_path / "missing")
+    argv = [missing if a == "MISSING" else a for a in argv]
+    says = says.replace("MISSING", missing)
+    line = one_line(run("bench", *argv), 2)
+    assert line.startswith(f"kvhandoff bench {argv[0]}: ") and says in line, line
+    if "--prompt-len" in argv:
+        assert "max_position_embeddings 4096" in line, line
+
+
 # 7: errors start on their own line, and are JSON with --json
 def test_generate_errors_are_one_line_and_json_with_json():
     target = closed_port()
