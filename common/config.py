@@ -114,6 +114,9 @@ class DecodeConfig:
     api_tls_key: str = ""
     http_port: int = -1  # the OpenAI-compatible HTTP API (decode_svc/http): -1 off, 0 any free
     local_prefill: bool = False
+    # prompts of at most this many tokens decode prefills itself while idle (0: never;
+    # decode_svc/conditional_prefill.py)
+    local_prefill_max_tokens: int = 0
     allow_protocol_1_0: bool = False
     content_checks: bool = True
     verify_depth_positions: int = 4

@@ -137,6 +137,14 @@ class DecodeEngine:
     def running_count(self) -> int:
         return len(self._running)
 
+    def idle_but(self, request_id: str) -> bool:
+        """Whether nothing but request_id keeps the engine busy: no sequence running or
+        waiting for pages, and no other request's KV awaited. A hint read from any thread
+        (each read is one atomic look at a container the engine thread changes)."""
+        awaiting = self._awaiting_kv
+        return (not self._running and not self._waiting and len(awaiting) <= 1
+                and (not awaiting or request_id in awaiting))
+
     def waiting_count(self) -> int:
         return len(self._waiting)
 

@@ -33,6 +33,8 @@ from decode_svc.handoff import HandoffPolicy, InlineReceiver
 from decode_svc.engine_answer import engine_answer
 from decode_svc.handoff_retry import RetryingReceiver
 from decode_svc.http.app import serve_openai
+from decode_svc.kv_receiver import KvReceiver
+from decode_svc.conditional_prefill import ConditionalPrefillConfig, ConditionalReceiver
 from decode_svc.local_prefill import LocalPrefillEngine, LocalPrefillReceiver, agree_locally
 from decode_svc.plane_select import NegotiatedReceiver, plane_for
 from decode_svc.prefill_choice import make_chooser
@@ -191,7 +193,14 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     log = make_logger("decode")
     runtime = build_runtime(svc, log)
     refusals, counters = Counters(), Counters()
-    engine_class = LocalPrefillEngine if config.local_prefill else DecodeEngine
+    conditional = ConditionalPrefillConfig(0 if config.local_prefill
+                                           else config.local_prefill_max_tokens)
+    if conditional.max_tokens > runtime.capacity.max_prompt_tokens:
+        raise ValueError(f"--local-prefill-max-tokens {conditional.max_tokens} exceeds the "
+                         f"longest prompt this decode can hold "
+                         f"({runtime.capacity.max_prompt_tokens} tokens)")
+    engine_class = (LocalPrefillEngine if config.local_prefill or conditional.enabled
+                    else DecodeEngine)
     content = ContentCheckConfig(config.content_checks, config.verify_depth_positions,
                                  config.verify_full_fraction)
     engine = engine_class(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
@@ -229,11 +238,10 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     tokens = TenantTokens.from_settings(config.api_token, config.api_tokens)
     auth = TenantAuth(tokens, metrics.registry, "decode", svc.model, log) if tokens else None
     nixl = nixl_receivers(config, client, engine, counters, log)  # {} or {NIXL: receiver}
-    generation = GenerationServicer(
-        engine, client, state, runtime.layout, runtime.loaded.fingerprint,
-        runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
-        config.handoff_timeout_s, refusals, metrics, log, policy,
-        LocalPrefillReceiver(engine) if config.local_prefill else RetryingReceiver(
+    if config.local_prefill:
+        receiver: KvReceiver = LocalPrefillReceiver(engine)
+    else:
+        receiver = RetryingReceiver(
             NegotiatedReceiver(
                 {INLINE: InlineReceiver(client, engine),
                  SHARED_MEMORY: SharedMemoryReceiver(client, engine, svc.shm_dir)}
@@ -241,7 +249,14 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
                 fallback=config.data_plane == "auto", counters=counters),
             client, counters, metrics.retried, log, config.handoff_retries,
             new_attempt=lambda request_id: engine_answer(
-                lambda done: engine.new_attempt(request_id, done))),
+                lambda done: engine.new_attempt(request_id, done)))
+        if conditional.enabled:  # short prompts at an idle decode prefill here
+            receiver = ConditionalReceiver(conditional, engine, receiver, counters)
+    generation = GenerationServicer(
+        engine, client, state, runtime.layout, runtime.loaded.fingerprint,
+        runtime.loaded.tokenizer, runtime.loaded.config.eos_token_ids, config.max_chunk_bytes,
+        config.handoff_timeout_s, refusals, metrics, log, policy,
+        receiver,
         identity_of_calls(auth is not None))
     stats = StatsServicer(
         "decode", allocator, runtime.capacity,

@@ -102,4 +102,7 @@ ROLE_HELP = {
                  "/v1/chat/completions, /health, /metrics (-1: off, 0: any free port)",
     "local_prefill": "compute prompts' KV in this process instead of asking prefill "
                      "(a baseline for benchmarks)",
+    "local_prefill_max_tokens": "prompts of at most this many tokens are prefilled by decode "
+                                "itself when it is idle, with no handoff (conditional "
+                                "disaggregation; 0: every prompt goes to prefill)",
 }
