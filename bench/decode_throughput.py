@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from bench.errors import BenchRequestFailed
 from common.capacity import CapacityError
 from common.config import ServiceConfig
 from common.counters import Counters
@@ -71,7 +70,7 @@ def run_batch(engine: LocalPrefillEngine, batch: int, prompt_len: int, new_token
         ids = [(13 * i + 7 * t) % 90 + 3 for t in range(prompt_len)]
         pages = _answer(lambda done, r=rid: engine.reserve(r, prompt_len + new_tokens - 1, done))
         if not isinstance(pages, list):
-            raise BenchRequestFailed(f"reservation refused: {pages}")
+            raise RuntimeError(f"reservation refused: {pages}")
         first = _answer(lambda done, r=rid, ids=ids: engine.prefill(r, ids, greedy, done))
         sequences.append(Sequence(rid, prompt_len, ids + [first], new_tokens, greedy,
                                   frozenset(), finish.emit))
@@ -84,7 +83,7 @@ def run_batch(engine: LocalPrefillEngine, batch: int, prompt_len: int, new_token
     for seq in sequences:
         engine.release(seq.request_id)
     if finish.errors:
-        raise BenchRequestFailed(f"decode failed: {finish.errors[0]}")
+        raise RuntimeError(f"decode failed: {finish.errors[0]}")
     return elapsed, cpu
 
 

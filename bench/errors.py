@@ -1,6 +1,7 @@
 """What a benchmark reports as the user's problem rather than its own: a request the services
-refused or failed, a model or a window the benchmark cannot use. `kvhandoff bench` prints these
-as one line and exits 2 (bench/cli.py); anything else is a bug and keeps its traceback."""
+refused or failed, a model or a window the benchmark cannot use, services that did not start.
+`kvhandoff bench` prints these and exits 2 (bench/cli.py): one line, or for services that did
+not start the line and their log's tail; anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
     request. Imported when called, so the CLI's help stays free of torch."""
     from common.capacity import CapacityError
     from common.model.config import UnsupportedModelError
+    from common.model.loader import ModelNotFoundError
     from common.server.launch import ServiceStartError
 
-    return (CapacityError, UnsupportedModelError, FileNotFoundError, ServiceStartError,
+    return (CapacityError, UnsupportedModelError, ModelNotFoundError, ServiceStartError,
             BenchRequestFailed)

@@ -4,7 +4,6 @@ stopped with SIGTERM. Logs go to files in the run's work directory."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -138,4 +137,6 @@ def model_vocab_size(model: str) -> int:
         from common.tokenizer import CharTokenizer
 
         return CharTokenizer().vocab_size
-    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    from common.model.loader import checkpoint_config  # names a bad --model in one line
+
+    return checkpoint_config(Path(model)).vocab_size

@@ -45,7 +45,11 @@ class ConditionalReceiver(KvReceiver):
         self.local = LocalPrefillReceiver(engine)
         self.remote = remote
         self.counters = counters
-        self.plane = remote.plane
+
+    @property
+    def plane(self) -> str:
+        """The remote chain's plane, read per request (it is negotiated after start-up)."""
+        return self.remote.plane
 
     def keeps_local(self, job: HandoffJob) -> bool:
         request = job.request

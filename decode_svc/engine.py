@@ -51,6 +51,7 @@ class DecodeEngine:
         self.model = model
         self._cores = cores or CoreBorrowing(CoreBorrowingConfig())  # prefill's idle cores
         self._awaiting_kv: set[str] = set()  # pages reserved, KV not yet all here
+        self._joining: set[str] = set()  # content checked or being checked, not yet begun
         self.content_checks = content_checks or ContentCheckConfig()
         self._finite = FiniteTracker()
         self._rng = random.SystemRandom()  # the depth positions are drawn after the KV arrived
@@ -142,8 +143,8 @@ class DecodeEngine:
         waiting for pages, and no other request's KV awaited. A hint read from any thread
         (each read is one atomic look at a container the engine thread changes)."""
         awaiting = self._awaiting_kv
-        return (not self._running and not self._waiting and len(awaiting) <= 1
-                and (not awaiting or request_id in awaiting))
+        return (not self._running and not self._waiting and not self._joining
+                and len(awaiting) <= 1 and (not awaiting or request_id in awaiting))
 
     def waiting_count(self) -> int:
         return len(self._waiting)
@@ -272,6 +273,7 @@ class DecodeEngine:
         """Answers job.done whatever happens, so no handoff waits forever."""
         request_id = job.request_id
         self._awaiting_kv.discard(request_id)
+        self._joining.add(request_id)  # until it begins or is released
         self._cores.decode_state(computing=True, awaiting=bool(self._awaiting_kv))
         unusable = self._unusable_pages(request_id)
         if unusable is not None:
@@ -295,6 +297,7 @@ class DecodeEngine:
     def _on_begin(self, command: Begin) -> None:
         seq = command.seq
         self._awaiting_kv.discard(seq.request_id)
+        self._joining.discard(seq.request_id)
         unusable = self._unusable_pages(seq.request_id)
         if unusable is not None:
             if unusable.reason == "RESERVATION_LOST":  # released while in flight: nothing held
@@ -320,6 +323,7 @@ class DecodeEngine:
         self._finite.forget(request_id)
         self._running.pop(request_id, None)
         self._awaiting_kv.discard(request_id)
+        self._joining.discard(request_id)
         self._waiting = deque(r for r in self._waiting if r.request_id != request_id)
         self.pool.release(request_id)
         self._admit_waiting()

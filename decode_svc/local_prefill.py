@@ -54,6 +54,8 @@ class LocalPrefillEngine(DecodeEngine):
             done(ServiceError(grpc.StatusCode.CANCELLED, "REQUEST_RELEASED",
                               "the request was released before its prefill ran"))
             return
+        # decode computes: prefill must not borrow these CPUs for a pass meanwhile
+        self._cores.decode_state(computing=True, awaiting=bool(self._awaiting_kv))
         try:
             done(self._prefill_one(request_id, token_ids, sampling))
         except Exception as exc:  # answer the caller; the engine keeps serving

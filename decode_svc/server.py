@@ -188,17 +188,29 @@ def handoff_in_clear_text(config: DecodeConfig) -> bool:
             and not is_loopback_target(config.prefill_target))
 
 
+def conditional_prefill(config: DecodeConfig, runtime) -> ConditionalPrefillConfig:
+    """--local-prefill-max-tokens, refused (ValueError) with --local-prefill (which prefills
+    every prompt here) or past the longest prompt decode can prefill itself: its pool and
+    window, and the pass its activation budget was measured at."""
+    threshold = config.local_prefill_max_tokens
+    if threshold and config.local_prefill:
+        raise ValueError("--local-prefill-max-tokens with --local-prefill: --local-prefill "
+                         "already prefills every prompt here; give one of them")
+    capacity = runtime.capacity
+    longest = min(capacity.max_prompt_tokens,
+                  capacity.max_pass_tokens or capacity.max_prompt_tokens)
+    if threshold > longest:
+        raise ValueError(f"--local-prefill-max-tokens {threshold} exceeds the longest prompt "
+                         f"this decode can prefill itself ({longest} tokens)")
+    return ConditionalPrefillConfig(threshold)
+
+
 async def start_decode(config: DecodeConfig) -> RunningDecode:
     svc = config.service
     log = make_logger("decode")
     runtime = build_runtime(svc, log)
     refusals, counters = Counters(), Counters()
-    conditional = ConditionalPrefillConfig(0 if config.local_prefill
-                                           else config.local_prefill_max_tokens)
-    if conditional.max_tokens > runtime.capacity.max_prompt_tokens:
-        raise ValueError(f"--local-prefill-max-tokens {conditional.max_tokens} exceeds the "
-                         f"longest prompt this decode can hold "
-                         f"({runtime.capacity.max_prompt_tokens} tokens)")
+    conditional = conditional_prefill(config, runtime)
     engine_class = (LocalPrefillEngine if config.local_prefill or conditional.enabled
                     else DecodeEngine)
     content = ContentCheckConfig(config.content_checks, config.verify_depth_positions,

@@ -19,7 +19,7 @@ from common.text.hf_tokenizer import HfTokenizer
 
 def load_model(spec: str) -> LoadedModel:
     """spec is 'demo' or a checkpoint directory; raises UnsupportedModelError or
-    FileNotFoundError."""
+    ModelNotFoundError (a FileNotFoundError)."""
     if spec == "demo":
         return build_demo_model()
     root = Path(spec)
@@ -39,20 +39,24 @@ def load_model(spec: str) -> LoadedModel:
     return LoadedModel(config, weights, tokenizer, fingerprint_checkpoint(root), str(root))
 
 
+class ModelNotFoundError(FileNotFoundError):
+    """--model names no checkpoint directory; the message names the path and what to pass."""
+
+
 def checkpoint_config(root: Path) -> ModelConfig:
     """The validated config.json of a checkpoint directory, read without its weights (so `up`
-    can refuse a bad --model before it starts anything); raises FileNotFoundError or
+    can refuse a bad --model before it starts anything); raises ModelNotFoundError or
     UnsupportedModelError naming the path."""
     config_path = root / "config.json"
     if not root.exists():
-        raise FileNotFoundError(f"--model {root}: no such directory; pass --model demo or a "
+        raise ModelNotFoundError(f"--model {root}: no such directory; pass --model demo or a "
                                 f"Hugging Face checkpoint directory (config.json, "
                                 f"*.safetensors)")
     if not root.is_dir():
-        raise FileNotFoundError(f"--model {root}: a file, not a directory; pass the checkpoint "
+        raise ModelNotFoundError(f"--model {root}: a file, not a directory; pass the checkpoint "
                                 f"directory that holds config.json (or --model demo)")
     if not config_path.is_file():
-        raise FileNotFoundError(
+        raise ModelNotFoundError(
             f"--model {root}: no config.json in it; pass --model demo or a checkpoint directory")
     return ModelConfig.from_hf_dict(_read_json(config_path), source=str(config_path))
 

@@ -157,6 +157,7 @@ def test_model_refusals_name_the_input(tmp_path):
 @pytest.mark.parametrize("argv, says", [
     (["decode", "--model", "MISSING", "--batches", "1"], "MISSING: no such directory"),
     (["prefill", "--model", "MISSING"], "MISSING: no such directory"),
+    (["serve", "--model", "MISSING", "--num-prompts", "1"], "MISSING: no such directory"),
     (["decode", "--model", "demo", "--batches", "1", "--prompt-len", "5000"],
      "--prompt-len 5000 + --new-tokens 64 = 5064 tokens a sequence: "),
 ])

@@ -92,13 +92,18 @@ def test_a_short_prompt_while_decode_is_busy_is_handed_off(decodes):
     pair.assert_pools_at_baseline()
 
 
-def test_a_threshold_past_decode_capacity_refuses_to_start(tmp_path):
+@pytest.mark.parametrize("flags, says", [
+    (["--local-prefill-max-tokens", "5000"], "--local-prefill-max-tokens 5000 exceeds the "
+     "longest prompt this decode can prefill itself (1024 tokens)"),
+    (["--local-prefill-max-tokens", "16", "--local-prefill"], "--local-prefill-max-tokens with "
+     "--local-prefill: --local-prefill already prefills every prompt here"),
+])
+def test_a_threshold_decode_cannot_honour_refuses_to_start(flags, says):
     result = subprocess.run(
         [sys.executable, "-m", "kvhandoff_cli.main", "decode", "--model", "demo", "--port", "0",
-         "--max-context-tokens", "1024", "--local-prefill-max-tokens", "5000"],
+         "--max-context-tokens", "1024", *flags],
         cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     everything = result.stdout + result.stderr
     assert result.returncode == 2, everything
     assert "Traceback" not in everything, everything
-    assert ("kvhandoff decode: refusing to start: --local-prefill-max-tokens 5000 exceeds the "
-            "longest prompt this decode can hold (1024 tokens)") in result.stderr, everything
+    assert f"kvhandoff decode: refusing to start: {says}" in result.stderr, everything

@@ -1,0 +1,100 @@
+"""ConditionalReceiver's choice and DecodeEngine.idle_but, without services: which receiver a
+request goes to, the plane its record names, and what counts as busy."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+
+from common.counters import Counters
+from common.handoff.transfer import TransferRecord
+from common.log import make_logger
+from decode_svc.conditional_prefill import ConditionalPrefillConfig, ConditionalReceiver
+from decode_svc.engine import DecodeEngine
+from decode_svc.kv_receiver import KvReceiver, LandedKv
+from common.pb.kvhandoff.v1 import handoff_pb2
+
+
+class _Remote(KvReceiver):
+    def __init__(self) -> None:
+        self.plane = "inline"  # negotiated later, as NegotiatedReceiver's is
+        self.calls = 0
+
+    async def receive(self, job, record) -> LandedKv:
+        self.calls += 1
+        return LandedKv(5, 10, bound=True)
+
+
+class _Local:
+    plane = "local"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def receive(self, job, record) -> LandedKv:
+        self.calls += 1
+        return LandedKv(7, 0, bound=True, own_kv=True)
+
+
+class _Engine:
+    def __init__(self, idle: bool) -> None:
+        self.idle = idle
+
+    def idle_but(self, request_id: str) -> bool:
+        return self.idle
+
+
+class _Job:
+    def __init__(self, n: int) -> None:
+        self.request = handoff_pb2.PrefillRequest(request_id="r", token_ids=list(range(3, 3 + n)))
+
+
+def _receiver(idle: bool, max_tokens: int = 8):
+    remote, counters = _Remote(), Counters()
+    receiver = ConditionalReceiver(ConditionalPrefillConfig(max_tokens), _Engine(idle), remote,
+                                   counters)
+    receiver.local = _Local()
+    return receiver, remote, counters
+
+
+@pytest.mark.parametrize("tokens, idle, local", [(1, True, True), (8, True, True),
+                                                 (9, True, False), (1, False, False)])
+def test_only_a_short_prompt_at_an_idle_engine_stays(tokens, idle, local):
+    receiver, remote, counters = _receiver(idle)
+    record = TransferRecord("r", receiver.plane)
+    landed = asyncio.run(receiver.receive(_Job(tokens), record))
+    assert landed.own_kv is local
+    assert (receiver.local.calls, remote.calls) == ((1, 0) if local else (0, 1))
+    assert counters.snapshot().get("prefills_kept_local", 0) == int(local)
+    assert record.plane == ("local" if local else "inline")
+
+
+def test_the_plane_is_the_remote_chains_now_not_at_start():
+    receiver, remote, _ = _receiver(True)
+    remote.plane = "shared_memory"  # the handshake agreed on it after start-up
+    assert receiver.plane == "shared_memory"
+
+
+def test_zero_keeps_nothing():
+    assert not ConditionalPrefillConfig(0).enabled and ConditionalPrefillConfig(1).enabled
+
+
+def test_idle_but_counts_every_kind_of_work():
+    engine = DecodeEngine(None, None, 8, 8, make_logger("decode", stream=io.StringIO()),
+                          Counters())
+    assert engine.idle_but("r")
+    engine._awaiting_kv.add("r")
+    assert engine.idle_but("r")  # its own reservation
+    engine._awaiting_kv.add("other")
+    assert not engine.idle_but("r")  # another handoff lands
+    engine._awaiting_kv.discard("other")
+    engine._joining.add("other")
+    assert not engine.idle_but("r")  # checked, not yet begun
+    engine._joining.clear()
+    engine._running["other"] = object()
+    assert not engine.idle_but("r")
+    engine._running.clear()
+    engine._waiting.append(object())
+    assert not engine.idle_but("r")  # waits for pages
