@@ -20,6 +20,10 @@ from common.server.ports import check_port_free, port_error
 from common.counters import Counters
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# A decode step's wall time: from under a millisecond (a small model on a GPU) to a long batch.
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1,
+                0.25, 0.5, 1)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000, 200000)
 # Why a request that was admitted ended: the proto's finish reasons, a client that went away or
@@ -127,6 +131,13 @@ class ServiceMetrics:
                                     "why: transport or refused", [*names, "reason"], registry=r)
             for reason in RETRY_REASONS:
                 self._retried.labels(*own, reason)
+            self._step = Histogram("kvhandoff_decode_step_seconds", "Wall time of one decode "
+                                   "step of the running batch, by the torch threads it ran "
+                                   "on (more than the service's own while it borrows its "
+                                   "peer's cores)", [*names, "threads"], buckets=STEP_BUCKETS,
+                                   registry=r)
+            self._step_rows = histogram("kvhandoff_decode_step_rows", "Sequences in the running "
+                                        "batch of each decode step", ROW_BUCKETS)
             self._ejected = counter("kvhandoff_prefill_ejected_total", "Prefill replicas "
                                     "ejected from the choice by their circuit breaker")
         else:
@@ -184,6 +195,12 @@ class ServiceMetrics:
     def retried(self, reason: str) -> None:
         """Decode: a handoff asked again on another prefill replica (reason: RETRY_REASONS)."""
         self._retried.labels(*self._own, reason).inc()
+
+    def decode_step(self, seconds: float, rows: int, threads: int) -> None:
+        """Decode: one step of the running batch (rows sequences) took seconds on threads torch
+        threads. Called on the engine thread."""
+        self._step.labels(*self._own, str(threads)).observe(seconds)
+        self._step_rows.observe(rows)
 
     def ejected(self) -> None:
         """Decode: a prefill replica's circuit breaker opened."""

@@ -66,6 +66,7 @@ class DecodeEngine:
         self._running: dict[str, Sequence] = {}
         self._write_failed: set[str] = set()
         self._stopping = False
+        self._on_step: Callable[[float, int, int], None] | None = None
         self._thread = threading.Thread(target=self._run, name="decode-engine", daemon=True)
         self._handlers: dict[type, Callable[[object], None]] = {
             Reserve: self._on_reserve, Write: self._on_write, WriteBytes: self._on_write_bytes,
@@ -73,6 +74,11 @@ class DecodeEngine:
             Begin: self._on_begin, NewAttempt: self._on_new_attempt, Release: self._on_release}
 
     # ---- called from the event loop (thread-safe) ----
+    def observe_steps(self, on_step: Callable[[float, int, int], None]) -> None:
+        """Before start: on_step(seconds, rows, threads) after every step of the running batch,
+        on the engine thread (it must be quick and must not raise)."""
+        self._on_step = on_step
+
     def start(self) -> None:
         self._thread.start()
 
@@ -173,9 +179,13 @@ class DecodeEngine:
                                      awaiting=bool(self._awaiting_kv))
             if self._running:
                 try:
+                    rows, threads = len(self._running), torch.get_num_threads()
                     started = time.perf_counter()
                     self._step_or_fail()
-                    self._cores.step_done(time.perf_counter() - started)
+                    seconds = time.perf_counter() - started
+                    self._cores.step_done(seconds)
+                    if self._on_step is not None:
+                        self._on_step(seconds, rows, threads)
                 except Exception as exc:  # even a failing failure path must not kill the thread
                     self.log.exception("decode_engine_error", error=str(exc))
 

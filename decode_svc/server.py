@@ -299,6 +299,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     http, http_port = await serve_openai(config, generation.lifecycle, health, metrics.registry,
                                          auth, log)
     await asyncio.to_thread(warm_up, runtime)  # health keeps answering meanwhile
+    engine.observe_steps(metrics.decode_step)
     engine.start()
     if not config.local_prefill:
         await client.start()

@@ -73,6 +73,12 @@ def test_decode_metrics_move_with_a_generation(ops_cluster):
     assert d("kvhandoff_request_prompt_tokens_sum") == len(PROMPT)
     assert d("kvhandoff_request_generation_tokens_sum") == NEW_TOKENS
     assert d("kvhandoff_time_per_output_token_seconds_count") == 1
+    # the first token comes from decode's own logits at verification: one step per later token
+    steps = sum(v for (name, _), v in after.items() if name == "kvhandoff_decode_step_seconds_count"
+                ) - sum(v for (name, _), v in before.items()
+                        if name == "kvhandoff_decode_step_seconds_count")
+    assert steps == NEW_TOKENS - 1
+    assert d("kvhandoff_decode_step_rows_sum") == NEW_TOKENS - 1  # one sequence each step
     assert (value(after, "kvhandoff_requests_finished_total", finished_reason="length")
             - value(before, "kvhandoff_requests_finished_total", finished_reason="length")) == 1
     assert value(after, "kvhandoff_kv_cache_usage_ratio", role="decode") == 0

@@ -35,6 +35,9 @@ def build(role: str) -> ServiceMetrics:
             metrics.token(0.05, first=False)
         metrics.finished(0.5, "length", 5, 4, 0.15)
         metrics.ended("cancelled")
+        metrics.decode_step(0.007, 8, 1)
+        metrics.decode_step(0.005, 8, 2)
+        metrics.decode_step(0.004, 1, 1)
     else:
         metrics.queued(0.002)
         metrics.prefill(0.03, 5)
@@ -87,6 +90,13 @@ def test_decode_exports_the_vllm_style_series():
     assert value("kvhandoff_requests_finished_total", finished_reason="cancelled") == 1
     for reason in FINISH_REASONS:
         value("kvhandoff_requests_finished_total", finished_reason=reason)
+    assert value("kvhandoff_decode_step_seconds_count", threads="1") == 2
+    assert value("kvhandoff_decode_step_seconds_sum", threads="1") == pytest.approx(0.011)
+    assert value("kvhandoff_decode_step_seconds_count", threads="2") == 1
+    assert value("kvhandoff_decode_step_seconds_bucket", threads="2", le="0.006") == 1
+    assert value("kvhandoff_decode_step_seconds_bucket", threads="2", le="0.004") == 0
+    assert value("kvhandoff_decode_step_rows_sum") == 17
+    assert value("kvhandoff_decode_step_rows_bucket", le="4.0") == 1
 
 
 def test_usage_of_an_empty_pool_is_zero():
