@@ -3,7 +3,7 @@ by side.
 
     kvhandoff bench prefill [--prompt-len 4096] [--chunks 0,256,1024] [--repeats 3] [--json OUT]
 
-The real PrefillEngine on the services' model and pool (`build_runtime`), without gRPC: one
+The real PrefillEngine on the services' model and pool (`build_service_runtime`), without gRPC: one
 prompt of --prompt-len tokens is submitted, and the time runs from submit to its commit frame
 (every layer's KV packed into frames on the way, as a service does). --chunks lists the
 --prefill-chunk-tokens values to compare; 0 is unchunked (the whole prompt in one pass). The
@@ -29,7 +29,9 @@ from common.counters import Counters
 from common.handoff.layout import DEFAULT_MAX_CHUNK_BYTES
 from common.log import make_logger
 from common.sampling import SamplingConfig
-from common.server.runtime import build_runtime, warm_up
+from common.server.core_borrowing import CoreBorrowing
+from common.server.runtime import build_service_runtime, warm_up
+from common.server.torch_threads import in_passing_thread
 from prefill_svc.engine import PrefillEngine, PrefillJob
 from prefill_svc.send_budget import SendBudget
 
@@ -41,7 +43,8 @@ def run_once(runtime, chunk: int, prompt: list[int], max_batch_tokens: int, tag:
     engine = PrefillEngine(runtime.model, runtime.pool, runtime.layout,
                            max(max_batch_tokens, chunk_tokens),
                            make_logger("prefill", stream=io.StringIO()), Counters(),
-                           SendBudget(1 << 40), prefill_chunk_tokens=chunk_tokens)
+                           SendBudget(1 << 40), prefill_chunk_tokens=chunk_tokens,
+                           cores=CoreBorrowing(runtime.cores))
     ended = threading.Event()
     frames = [0]
     job: PrefillJob
@@ -91,16 +94,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
     chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
     n = args.prompt_len
     config = ServiceConfig(model=args.model, device=args.device, kernels=args.kernels,
                            dtype=args.dtype, pool_tokens=n + 64, max_context_tokens=n,
-                           allow_context_beyond_pool=True)
-    runtime = build_runtime(config, make_logger("prefill", stream=io.StringIO()),
-                            max_pass_tokens=args.max_batch_tokens)
-    warm_up(runtime)
+                           allow_context_beyond_pool=True, torch_threads=args.torch_threads)
+    # as the services start: the engine thread's torch team is the process's only one
+    runtime = build_service_runtime(config, make_logger("prefill", stream=io.StringIO()),
+                                    max_pass_tokens=args.max_batch_tokens)
+    in_passing_thread(warm_up, runtime)
     vocab = runtime.loaded.config.vocab_size
     prompt = [(7 * t + 3) % (vocab - 3) + 3 for t in range(n)]
     for chunk in chunks:  # warm-up: first-use costs (kernel compiles, allocator) off the clock
@@ -122,7 +124,7 @@ def main(argv: list[str]) -> int:
         rows.append(row)
     base = rows[0]["tokens_per_s"]
     print(f"model {args.model} on {runtime.model.device} ({runtime.kernels} kernels, "
-          f"{str(runtime.model.dtype).removeprefix('torch.')}, {torch.get_num_threads()} torch "
+          f"{str(runtime.model.dtype).removeprefix('torch.')}, {runtime.cores.own_threads} torch "
           f"threads); one prompt of {n} tokens, {args.repeats} runs each, taking turns")
     print(f"{'chunk':>7} {'passes':>6} {'min s':>8} {'median s':>9} {'max s':>8} "
           f"{'tokens/s':>9} {'vs ' + _name(chunks[0]):>10}" + ("   peak MiB" if "peak_bytes"

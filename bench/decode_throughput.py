@@ -22,14 +22,15 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 
-import torch
 
 from common.capacity import CapacityError
 from common.config import ServiceConfig
 from common.counters import Counters
 from common.log import make_logger
 from common.sampling import SamplingConfig
-from common.server.runtime import build_runtime, warm_up
+from common.server.core_borrowing import CoreBorrowing
+from common.server.runtime import build_service_runtime, warm_up
+from common.server.torch_threads import in_passing_thread
 from decode_svc.local_prefill import LocalPrefillEngine
 from decode_svc.sequence import FailedEvent, FinishedEvent, Sequence
 
@@ -101,23 +102,23 @@ def main(argv: list[str]) -> int:
     p.add_argument("--torch-threads", type=int, default=0, help="0: torch's default")
     p.add_argument("--json", type=Path, help="write the results here")
     args = p.parse_args(argv)
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     per_seq = args.prompt_len + args.new_tokens
     config = ServiceConfig(model=args.model, device=args.device, kernels=args.kernels,
                            dtype=args.dtype,
                            pool_tokens=max(batches) * (per_seq + 16) + 64,
-                           max_context_tokens=per_seq, allow_context_beyond_pool=True)
+                           max_context_tokens=per_seq, allow_context_beyond_pool=True,
+                           torch_threads=args.torch_threads)
     log = make_logger("decode", stream=io.StringIO())
     try:
-        runtime = build_runtime(config, log)
+        runtime = build_service_runtime(config, log)  # the engine's team is the only one
     except CapacityError as err:  # the window comes from this bench's flags: name them
         raise CapacityError(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} "
                             f"= {per_seq} tokens a sequence: {err}") from None
-    warm_up(runtime)
+    in_passing_thread(warm_up, runtime)
     engine = LocalPrefillEngine(runtime.model, runtime.pool, max_batch=max(batches),
-                                max_waiting=max(batches), log=log, counters=Counters())
+                                max_waiting=max(batches), log=log, counters=Counters(),
+                                cores=CoreBorrowing(runtime.cores))
     engine.start()
     rows = []
     try:
@@ -135,7 +136,7 @@ def main(argv: list[str]) -> int:
     base = rows[0]["tokens_per_s"]
     print(f"model {args.model} on {runtime.model.device} ({runtime.kernels} kernels, "
           f"{str(runtime.model.dtype).removeprefix('torch.')}, "
-          f"{torch.get_num_threads()} torch threads); prompt {args.prompt_len} tokens, "
+          f"{runtime.cores.own_threads} torch threads); prompt {args.prompt_len} tokens, "
           f"{args.new_tokens} new tokens per sequence")
     print(f"{'batch':>6} {'tokens/s':>10} {'ms/step':>9} {'CPU ms/step':>12} "
           f"{'vs batch ' + str(rows[0]['batch']):>11}")

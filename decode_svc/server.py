@@ -23,7 +23,8 @@ from common.server.grpc_server import (TlsFiles, create_server, run_async, serve
                                        set_serving)
 from common.server.loopback import is_loopback_host, is_loopback_target
 from common.server.core_borrowing import CoreBorrowing
-from common.server.runtime import Runtime, build_runtime, warm_up
+from common.server.torch_threads import in_passing_thread_async
+from common.server.runtime import Runtime, build_service_runtime, warm_up
 from common.server.stats import StatsServicer
 from common.server.tls_diagnosis import DialSide, diagnose
 from decode_svc.cache_scope import identity_of_calls
@@ -208,7 +209,7 @@ def conditional_prefill(config: DecodeConfig, runtime) -> ConditionalPrefillConf
 async def start_decode(config: DecodeConfig) -> RunningDecode:
     svc = config.service
     log = make_logger("decode")
-    runtime = build_runtime(svc, log)
+    runtime = build_service_runtime(svc, log)
     refusals, counters = Counters(), Counters()
     conditional = conditional_prefill(config, runtime)
     engine_class = (LocalPrefillEngine if config.local_prefill or conditional.enabled
@@ -298,7 +299,8 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     metrics_port = metrics.serve_http(svc.host, svc.metrics_port) if svc.metrics_port >= 0 else -1
     http, http_port = await serve_openai(config, generation.lifecycle, health, metrics.registry,
                                          auth, log)
-    await asyncio.to_thread(warm_up, runtime)  # health keeps answering meanwhile
+    # health keeps answering meanwhile; the warm-up's torch team ends with its thread
+    await in_passing_thread_async(warm_up, runtime)
     engine.observe_steps(metrics.decode_step)
     engine.start()
     if not config.local_prefill:

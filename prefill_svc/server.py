@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,8 @@ from common.server.grpc_server import (TlsFiles, create_server, run_async, serve
                                        set_serving)
 from common.server.loopback import is_loopback_host
 from common.server.core_borrowing import CoreBorrowing
-from common.server.runtime import build_runtime, warm_up
+from common.server.torch_threads import in_passing_thread_async
+from common.server.runtime import build_service_runtime, warm_up
 from common.server.stats import StatsServicer
 from prefill_svc.engine import PrefillEngine
 from prefill_svc.send_budget import SendBudget
@@ -50,7 +50,7 @@ class RunningPrefill:
 async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     svc = config.service
     log = make_logger("prefill")
-    runtime = build_runtime(svc, log, max_pass_tokens=config.max_batch_tokens)
+    runtime = build_service_runtime(svc, log, max_pass_tokens=config.max_batch_tokens)
     refusals, counters = Counters(), Counters()
     allocator = runtime.pool.allocator
     cache = PrefixCache(runtime.pool, PrefixCacheConfig(config.prefix_cache,
@@ -91,7 +91,8 @@ async def start_prefill(config: PrefillConfig) -> RunningPrefill:
     server, port, health = await create_server(register, svc.host, svc.port, tls,
                                                DEFAULT_MAX_CHUNK_BYTES + (1 << 20))
     metrics_port = metrics.serve_http(svc.host, svc.metrics_port) if svc.metrics_port >= 0 else -1
-    await asyncio.to_thread(warm_up, runtime)  # health keeps answering meanwhile
+    # health keeps answering meanwhile; the warm-up's torch team ends with its thread
+    await in_passing_thread_async(warm_up, runtime)
     engine.start()
     await set_serving(health, SERVICE_NAMES, True)
     log.info("serving", role="prefill", address=f"{svc.host}:{port}", metrics_port=metrics_port)

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from common.server.borrow_guard import BorrowGuard
+from common.server.torch_threads import take_team
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,12 @@ class CoreBorrowing:
 
     def on_engine_thread(self) -> None:
         """Called once by the engine thread when it starts: it runs on its own CPUs only (the
-        process may run on the borrowed ones too, for the workers)."""
+        process may run on the borrowed ones too, for the workers), and takes the service's
+        torch threads, the process's only team (common/server/torch_threads.py)."""
         if self.config.enabled and self.config.own_cpus:
             os.sched_setaffinity(0, self.config.own_cpus)
+        if self.config.own_threads > 0:
+            take_team(self.config.own_threads)
 
     def _use(self, threads: int) -> None:
         if threads != self._threads:

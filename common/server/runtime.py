@@ -18,6 +18,7 @@ from common.model.registry import build_model
 from common.server.core_borrowing import CoreBorrowingConfig
 from common.server.cpu_placement import (apply_cpu_placement, borrowable_cpus,
                                          check_cpu_affinity, format_cpu_list)
+from common.server.torch_threads import in_passing_thread, keep_one_thread
 from common.ops.select import make_ops, resolve_backend, triton_is_interpreted
 
 
@@ -80,6 +81,20 @@ def build_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runti
              device=str(device), dtype=str(dtype).removeprefix("torch."), kernels=kernels,
              **capacity.describe())
     return Runtime(loaded, model, pool, capacity, layout, kernels, cores)
+
+
+def build_service_runtime(config: ServiceConfig, log, max_pass_tokens: int = 0) -> Runtime:
+    """build_runtime for a service: the calling thread (the event loop's) keeps one torch
+    thread, and the weights load on a thread that ends with the load, so that the engine
+    thread's team is the process's only one (common/server/torch_threads.py)."""
+    default_threads = torch.get_num_threads()  # torch's own count, before this thread's goes
+
+    def build() -> Runtime:
+        torch.set_num_threads(default_threads)  # what --torch-threads 0 leaves in force
+        return build_runtime(config, log, max_pass_tokens)
+
+    keep_one_thread()
+    return in_passing_thread(build)
 
 
 PROFILE_TOKENS = 8192
