@@ -5,10 +5,13 @@ At low load a short prompt's handoff costs more than its prefill: the call, the 
 landing and decode's content checks (which recompute a decode step's worth of the prompt) add
 to a pass that decode's idle core could run in the same time. So a prompt of at most
 `max_tokens` tokens that arrives while the engine is idle (`DecodeEngine.idle_but`: nothing
-running, waiting or landing but this request) is computed in place by the engine, exactly as
-`--local-prefill` does; any other prompt, and any prompt at all while decode is busy, goes to
-prefill through the remote receiver chain (retries, planes, content checks) unchanged. Serving
-systems call this conditional (or selective) disaggregation.
+running, waiting or landing but this request and the prompts decode is prefilling itself) is
+computed in place by the engine, exactly as `--local-prefill` does; any other prompt, and any
+prompt at all while decode is busy, goes to prefill through the remote receiver chain (retries,
+planes, content checks) unchanged. Serving systems call this conditional (or selective)
+disaggregation. Prompts that arrive together at an idle decode (a burst) all stay, while their
+tokens fit one of decode's packed passes (`max_kept_tokens`), and the engine computes the ones
+queued together in one pass (LocalPrefillEngine), so a burst pays no handoffs and no checks.
 
 Invariants: the choice is made once per request, before any KV moves, from decode's own state
 only (nothing prefill says can make decode compute or skip anything); a local prefill's KV is
@@ -29,6 +32,8 @@ from decode_svc.local_prefill import LocalPrefillEngine, LocalPrefillReceiver
 @dataclass(frozen=True)
 class ConditionalPrefillConfig:
     max_tokens: int = 0  # prompts of at most this many tokens may prefill in decode (0: none)
+    # the prompt tokens decode may be prefilling itself at once (0: one prompt at a time)
+    max_kept_tokens: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -45,6 +50,7 @@ class ConditionalReceiver(KvReceiver):
         self.local = LocalPrefillReceiver(engine)
         self.remote = remote
         self.counters = counters
+        self._kept: dict[str, int] = {}  # request id -> prompt tokens, prefilling here now
 
     @property
     def plane(self) -> str:
@@ -53,15 +59,24 @@ class ConditionalReceiver(KvReceiver):
 
     def keeps_local(self, job: HandoffJob) -> bool:
         request = job.request
-        return (len(request.token_ids) <= self.config.max_tokens
-                and self.engine.idle_but(request.request_id))
+        tokens = len(request.token_ids)
+        if tokens > self.config.max_tokens:
+            return False
+        if self._kept and sum(self._kept.values()) + tokens > self.config.max_kept_tokens:
+            return False
+        return self.engine.idle_but({request.request_id, *self._kept})
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
-        if self.keeps_local(job):
-            record.plane = self.local.plane
-            self.counters.add("prefills_kept_local")
+        if not self.keeps_local(job):
+            return await self.remote.receive(job, record)
+        request_id = job.request.request_id
+        record.plane = self.local.plane
+        self.counters.add("prefills_kept_local")
+        self._kept[request_id] = len(job.request.token_ids)
+        try:
             return await self.local.receive(job, record)
-        return await self.remote.receive(job, record)
+        finally:
+            self._kept.pop(request_id, None)
 
     async def close(self) -> None:
         await self.remote.close()

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import grpc
 import numpy as np
@@ -144,13 +144,13 @@ class DecodeEngine:
     def running_count(self) -> int:
         return len(self._running)
 
-    def idle_but(self, request_id: str) -> bool:
-        """Whether nothing but request_id keeps the engine busy: no sequence running or
-        waiting for pages, and no other request's KV awaited. A hint read from any thread
-        (each read is one atomic look at a container the engine thread changes)."""
-        awaiting = self._awaiting_kv
+    def idle_but(self, request_ids: Collection[str]) -> bool:
+        """Whether nothing but request_ids keeps the engine busy: no sequence running or
+        waiting for pages, none being checked or joining, and no other request's KV awaited.
+        A hint read from any thread (each read is one atomic look at a container the engine
+        thread changes)."""
         return (not self._running and not self._waiting and not self._joining
-                and len(awaiting) <= 1 and (not awaiting or request_id in awaiting))
+                and set(self._awaiting_kv) <= set(request_ids))
 
     def waiting_count(self) -> int:
         return len(self._waiting)
@@ -175,6 +175,10 @@ class DecodeEngine:
                 except Exception as exc:  # keep the engine alive; fail only that request
                     self.log.exception("engine_command_failed",
                                        command=type(command).__name__, error=str(exc))
+            try:
+                self._after_commands()
+            except Exception as exc:  # keep the engine alive
+                self.log.exception("engine_round_failed", error=str(exc))
             self._cores.decode_state(computing=bool(self._running),
                                      awaiting=bool(self._awaiting_kv))
             if self._running:
@@ -188,6 +192,10 @@ class DecodeEngine:
                         self._on_step(seconds, rows, threads)
                 except Exception as exc:  # even a failing failure path must not kill the thread
                     self.log.exception("decode_engine_error", error=str(exc))
+
+    def _after_commands(self) -> None:
+        """Runs on the engine thread after each round of queued commands, before the step: the
+        place for work gathered from several commands of the round (a subclass's hook)."""
 
     def _on_reserve(self, res: Reserve) -> None:
         if not self._waiting and self.pool.allocator.can_allocate(res.num_tokens):

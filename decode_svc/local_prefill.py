@@ -35,10 +35,18 @@ from decode_svc.validation import DecodeLimits
 
 
 class LocalPrefillEngine(DecodeEngine):
-    """A DecodeEngine that also runs prefill, between decode steps, on its own thread."""
+    """A DecodeEngine that also runs prefill, between decode steps, on its own thread.
 
-    def __init__(self, *args, **kwargs) -> None:
+    The prompts whose LocalPrefill commands arrived in one round of the engine's commands are
+    computed together, in passes of at most `pass_tokens` prompt tokens (whole prompts, in the
+    order they were queued: a ragged batch, each prompt attending only to itself), as vLLM's
+    scheduler packs waiting prefills; with pass_tokens 0 each prompt has a pass of its own.
+    A prompt is computed only if its request still holds its reservation when its pass runs."""
+
+    def __init__(self, *args, pass_tokens: int = 0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.pass_tokens = pass_tokens  # the pass decode's activation budget was measured at
+        self._prefills: list[LocalPrefill] = []  # queued this round, computed after it
         self._handlers[LocalPrefill] = self._on_local_prefill
 
     def prefill(self, request_id: str, token_ids: list[int], sampling: SamplingConfig,
@@ -48,35 +56,84 @@ class LocalPrefillEngine(DecodeEngine):
         self.submit(LocalPrefill(request_id, token_ids, sampling, done))
 
     def _on_local_prefill(self, command: LocalPrefill) -> None:
-        request_id, token_ids, sampling, done = (command.request_id, command.token_ids,
-                                                 command.sampling, command.done)
-        if not self.pool.allocator.holds(request_id):
-            done(ServiceError(grpc.StatusCode.CANCELLED, "REQUEST_RELEASED",
-                              "the request was released before its prefill ran"))
+        self._prefills.append(command)
+
+    def _after_commands(self) -> None:
+        queued, self._prefills = self._prefills, []
+        held = []
+        for command in queued:
+            if self.pool.allocator.holds(command.request_id):
+                held.append(command)
+            else:
+                self._answer(command, ServiceError(
+                    grpc.StatusCode.CANCELLED, "REQUEST_RELEASED",
+                    "the request was released before its prefill ran"))
+        if not held:
             return
         # decode computes: prefill must not borrow these CPUs for a pass meanwhile
         self._cores.decode_state(computing=True, awaiting=bool(self._awaiting_kv))
-        try:
-            done(self._prefill_one(request_id, token_ids, sampling))
-        except Exception as exc:  # answer the caller; the engine keeps serving
-            self.log.exception("local_prefill_failed", request_id=request_id, error=str(exc))
-            done(ServiceError(grpc.StatusCode.INTERNAL, "LOCAL_PREFILL_FAILED",
-                              f"the prefill failed: {exc}"))
+        for group in packed_passes(held, self.pass_tokens):
+            self._prefill_pass(group)
 
-    def _prefill_one(self, request_id: str, token_ids: list[int], sampling: SamplingConfig
-                     ) -> int:
+    def _prefill_pass(self, group: list[LocalPrefill]) -> None:
+        """Computes group's prompts in one pass and answers every one of them."""
+        try:
+            firsts = self._forward(group)
+        except Exception as exc:  # answer the callers; the engine keeps serving
+            self.log.exception("local_prefill_failed", error=str(exc),
+                               request_ids=[c.request_id for c in group])
+            for command in group:
+                self._answer(command, ServiceError(grpc.StatusCode.INTERNAL,
+                                                   "LOCAL_PREFILL_FAILED",
+                                                   f"the prefill failed: {exc}"))
+            return
+        self.counters.add("local_prefill_passes")
+        self.counters.add("local_prefills", len(group))
+        for command, first in zip(group, firsts, strict=True):
+            self._answer(command, first)
+
+    def _answer(self, command: LocalPrefill, result: int | ServiceError) -> None:
+        """command.done(result); a callback that raises never keeps the others unanswered."""
+        try:
+            command.done(result)
+        except Exception as exc:
+            self.log.exception("local_prefill_answer_failed", request_id=command.request_id,
+                               error=str(exc))
+
+    def _forward(self, group: list[LocalPrefill]) -> list[int]:
         device = self.model.device
-        n = len(token_ids)
-        pages = self.pool.allocator.page_table(request_id)
+        ids, positions, slots, cu = [], [], [], [0]
+        for command in group:
+            n = len(command.token_ids)
+            ids += command.token_ids
+            positions += range(n)
+            slots += self.pool.slots_for(self.pool.allocator.page_table(command.request_id),
+                                         0, n)
+            cu.append(cu[-1] + n)
         batch = PrefillBatch(
-            token_ids=torch.tensor(token_ids, dtype=torch.int64, device=device),
-            positions=torch.arange(n, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(self.pool.slots_for(pages, 0, n), dtype=torch.int64,
-                                      device=device),
-            cu_seqlens=torch.tensor([0, n], dtype=torch.int32, device=device), max_seqlen=n)
-        logits = self.model.prefill(batch, self.pool.k, self.pool.v)  # [1, vocab]
-        self.counters.add("local_prefills")
-        return sample_batch(logits, [sampling], [0])[0]
+            token_ids=torch.tensor(ids, dtype=torch.int64, device=device),  # [T]
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),  # [T]
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),  # [T]
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device),  # [B + 1]
+            max_seqlen=max(len(c.token_ids) for c in group))
+        logits = self.model.prefill(batch, self.pool.k, self.pool.v)  # [B, vocab]
+        return sample_batch(logits, [c.sampling for c in group], [0] * len(group))
+
+
+def packed_passes(queued: list[LocalPrefill], pass_tokens: int) -> list[list[LocalPrefill]]:
+    """queued, in order, cut into passes of at most pass_tokens prompt tokens (a longer prompt
+    has a pass of its own); pass_tokens 0: one prompt a pass."""
+    passes: list[list[LocalPrefill]] = []
+    tokens = 0
+    for command in queued:
+        n = len(command.token_ids)
+        if passes and pass_tokens and tokens + n <= pass_tokens:
+            passes[-1].append(command)
+            tokens += n
+        else:
+            passes.append([command])
+            tokens = n
+    return passes
 
 
 async def prefill_locally(engine: LocalPrefillEngine, request_id: str, token_ids: list[int],

@@ -189,6 +189,12 @@ def handoff_in_clear_text(config: DecodeConfig) -> bool:
             and not is_loopback_target(config.prefill_target))
 
 
+def local_pass_tokens(capacity) -> int:
+    """The most prompt tokens one of decode's own prefill passes may carry: its pool and window
+    bound a prompt, and its activation budget was measured at a pass of max_pass_tokens."""
+    return min(capacity.max_prompt_tokens, capacity.max_pass_tokens or capacity.max_prompt_tokens)
+
+
 def conditional_prefill(config: DecodeConfig, runtime) -> ConditionalPrefillConfig:
     """--local-prefill-max-tokens, refused (ValueError) with --local-prefill (which prefills
     every prompt here) or past the longest prompt decode can prefill itself: its pool and
@@ -197,13 +203,11 @@ def conditional_prefill(config: DecodeConfig, runtime) -> ConditionalPrefillConf
     if threshold and config.local_prefill:
         raise ValueError("--local-prefill-max-tokens with --local-prefill: --local-prefill "
                          "already prefills every prompt here; give one of them")
-    capacity = runtime.capacity
-    longest = min(capacity.max_prompt_tokens,
-                  capacity.max_pass_tokens or capacity.max_prompt_tokens)
+    longest = local_pass_tokens(runtime.capacity)
     if threshold > longest:
         raise ValueError(f"--local-prefill-max-tokens {threshold} exceeds the longest prompt "
                          f"this decode can prefill itself ({longest} tokens)")
-    return ConditionalPrefillConfig(threshold)
+    return ConditionalPrefillConfig(threshold, max_kept_tokens=longest)
 
 
 async def start_decode(config: DecodeConfig) -> RunningDecode:
@@ -212,12 +216,15 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
     runtime = build_service_runtime(svc, log)
     refusals, counters = Counters(), Counters()
     conditional = conditional_prefill(config, runtime)
-    engine_class = (LocalPrefillEngine if config.local_prefill or conditional.enabled
-                    else DecodeEngine)
     content = ContentCheckConfig(config.content_checks, config.verify_depth_positions,
                                  config.verify_full_fraction)
-    engine = engine_class(runtime.model, runtime.pool, config.max_batch, config.max_waiting,
-                          log, counters, content, CoreBorrowing(runtime.cores, counters))
+    engine_args = (runtime.model, runtime.pool, config.max_batch, config.max_waiting, log,
+                   counters, content, CoreBorrowing(runtime.cores, counters))
+    if config.local_prefill or conditional.enabled:  # prompts of a round share a pass
+        engine = LocalPrefillEngine(*engine_args,
+                                    pass_tokens=local_pass_tokens(runtime.capacity))
+    else:
+        engine = DecodeEngine(*engine_args)
     policy = HandoffPolicy(config.allow_protocol_1_0, content)
     if config.allow_protocol_1_0:
         log.warning("protocol_1_0_allowed", message="decode accepts prefills that speak protocol "

@@ -92,6 +92,37 @@ def test_a_short_prompt_while_decode_is_busy_is_handed_off(decodes):
     pair.assert_pools_at_baseline()
 
 
+def test_a_burst_at_an_idle_decode_generates_what_the_plain_pair_does(decodes):
+    """Short prompts arriving together: those that find decode prefilling only its own kept
+    prompts stay too (and are packed into shared passes), the rest are handed off; whichever
+    way each went, its tokens are the plain decode's and every prompt went exactly one way."""
+    pair, plain = decodes
+    prompts = [prompt(length, seed=40 + length) for length in (5, 9, 17, 23, 30, THRESHOLD)]
+    kept, handed = _counts(pair)
+    start = threading.Barrier(len(prompts))
+    results: dict[int, object] = {}
+
+    def one(i: int) -> None:
+        start.wait()
+        results[i] = generate(pair.address, token_ids=prompts[i], max_tokens=12,
+                              ignore_eos=True)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(results) == list(range(len(prompts)))
+    wait_until(lambda: sum(_counts(pair)) == kept + handed + len(prompts), 10,
+               lambda: f"each prompt kept or handed off once: {_counts(pair)} after "
+                       f"{(kept, handed)}")
+    assert _counts(pair)[0] > kept  # the first of the burst found decode idle
+    for i, ids in enumerate(prompts):
+        assert results[i].token_ids == generate(plain.address, token_ids=ids, max_tokens=12,
+                                                ignore_eos=True).token_ids
+    pair.assert_pools_at_baseline()
+
+
 @pytest.mark.parametrize("flags, says", [
     (["--local-prefill-max-tokens", "5000"], "--local-prefill-max-tokens 5000 exceeds the "
      "longest prompt this decode can prefill itself (1024 tokens)"),

@@ -41,20 +41,23 @@ class _Local:
 class _Engine:
     def __init__(self, idle: bool) -> None:
         self.idle = idle
+        self.asked: list[set[str]] = []
 
-    def idle_but(self, request_id: str) -> bool:
+    def idle_but(self, request_ids) -> bool:
+        self.asked.append(set(request_ids))
         return self.idle
 
 
 class _Job:
-    def __init__(self, n: int) -> None:
-        self.request = handoff_pb2.PrefillRequest(request_id="r", token_ids=list(range(3, 3 + n)))
+    def __init__(self, n: int, request_id: str = "r") -> None:
+        self.request = handoff_pb2.PrefillRequest(request_id=request_id,
+                                                  token_ids=list(range(3, 3 + n)))
 
 
-def _receiver(idle: bool, max_tokens: int = 8):
+def _receiver(idle: bool, max_tokens: int = 8, max_kept_tokens: int = 0):
     remote, counters = _Remote(), Counters()
-    receiver = ConditionalReceiver(ConditionalPrefillConfig(max_tokens), _Engine(idle), remote,
-                                   counters)
+    receiver = ConditionalReceiver(ConditionalPrefillConfig(max_tokens, max_kept_tokens),
+                                   _Engine(idle), remote, counters)
     receiver.local = _Local()
     return receiver, remote, counters
 
@@ -84,17 +87,72 @@ def test_zero_keeps_nothing():
 def test_idle_but_counts_every_kind_of_work():
     engine = DecodeEngine(None, None, 8, 8, make_logger("decode", stream=io.StringIO()),
                           Counters())
-    assert engine.idle_but("r")
+    assert engine.idle_but({"r"})
     engine._awaiting_kv.add("r")
-    assert engine.idle_but("r")  # its own reservation
+    assert engine.idle_but({"r"})  # its own reservation
     engine._awaiting_kv.add("other")
-    assert not engine.idle_but("r")  # another handoff lands
+    assert not engine.idle_but({"r"})  # another handoff lands
+    assert engine.idle_but({"r", "other"})  # unless decode prefills that one itself
     engine._awaiting_kv.discard("other")
     engine._joining.add("other")
-    assert not engine.idle_but("r")  # checked, not yet begun
+    assert not engine.idle_but({"r", "other"})  # checked, not yet begun
     engine._joining.clear()
     engine._running["other"] = object()
-    assert not engine.idle_but("r")
+    assert not engine.idle_but({"r", "other"})
     engine._running.clear()
     engine._waiting.append(object())
-    assert not engine.idle_but("r")  # waits for pages
+    assert not engine.idle_but({"r"})  # waits for pages
+
+
+class _SlowLocal(_Local):
+    """A local prefill that finishes only when the test lets it (or fails, when told to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.fail = False
+
+    async def receive(self, job, record) -> LandedKv:
+        self.calls += 1
+        await self.release.wait()
+        if self.fail:
+            raise RuntimeError("injected")
+        return LandedKv(7, 0, bound=True, own_kv=True)
+
+
+@pytest.mark.parametrize("max_kept, stays", [(0, [True, False, False]),
+                                             (12, [True, True, False]),
+                                             (18, [True, True, True])])
+def test_a_burst_stays_while_its_prompts_fit_one_pass(max_kept, stays):
+    async def burst():
+        receiver, remote, _ = _receiver(True, max_tokens=8, max_kept_tokens=max_kept)
+        receiver.local = _SlowLocal()
+        jobs = [_Job(6, f"r{i}") for i in range(3)]
+        calls = [asyncio.ensure_future(receiver.receive(job, TransferRecord(job.request.request_id,
+                                                                            receiver.plane)))
+                 for job in jobs]
+        await asyncio.sleep(0)  # every call has chosen: the local ones wait in the engine
+        asked = list(receiver.engine.asked)
+        receiver.local.release.set()
+        landed = await asyncio.gather(*calls)
+        return [x.own_kv for x in landed], asked, receiver
+
+    kept, asked, receiver = asyncio.run(burst())
+    assert kept == stays
+    # each prompt within the budget asks whether decode is idle but for itself and the ones
+    # kept before it; one past the budget goes to prefill without asking
+    assert asked == [{f"r{j}" for j in range(i + 1)} for i in range(sum(stays))]
+    assert receiver._kept == {}
+
+
+def test_a_failed_local_prefill_is_no_longer_kept():
+    async def fail():
+        receiver, _, _ = _receiver(True, max_tokens=8, max_kept_tokens=16)
+        receiver.local = _SlowLocal()
+        receiver.local.fail = True
+        receiver.local.release.set()
+        with pytest.raises(RuntimeError):
+            await receiver.receive(_Job(6, "r0"), TransferRecord("r0", receiver.plane))
+        return receiver
+
+    assert asyncio.run(fail())._kept == {}
