@@ -4,8 +4,9 @@ to do, and hands every other prompt to prefill.
 At low load a short prompt's handoff costs more than its prefill: the call, the frames, the
 landing and decode's content checks (which recompute a decode step's worth of the prompt) add
 to a pass that decode's idle core could run in the same time. So a prompt of at most
-`max_tokens` tokens that arrives while the engine is idle (`DecodeEngine.idle_but`: nothing
-running, waiting or landing but this request and the prompts decode is prefilling itself) is
+`max_tokens` tokens that arrives while the engine is idle (`DecodeEngine.is_idle`: nothing
+running, waiting, being checked or joining, and no handoff this receiver sent to prefill still
+landing) is
 computed in place by the engine, exactly as `--local-prefill` does; any other prompt, and any
 prompt at all while decode is busy, goes to prefill through the remote receiver chain (retries,
 planes, content checks) unchanged. Serving systems call this conditional (or selective)
@@ -51,6 +52,7 @@ class ConditionalReceiver(KvReceiver):
         self.remote = remote
         self.counters = counters
         self._kept: dict[str, int] = {}  # request id -> prompt tokens, prefilling here now
+        self._landing: set[str] = set()  # handed to prefill, its KV not all landed yet
 
     @property
     def plane(self) -> str:
@@ -64,12 +66,16 @@ class ConditionalReceiver(KvReceiver):
             return False
         if self._kept and sum(self._kept.values()) + tokens > self.config.max_kept_tokens:
             return False
-        return self.engine.idle_but({request.request_id, *self._kept})
+        return self.engine.is_idle(self._landing)
 
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
-        if not self.keeps_local(job):
-            return await self.remote.receive(job, record)
         request_id = job.request.request_id
+        if not self.keeps_local(job):
+            self._landing.add(request_id)
+            try:
+                return await self.remote.receive(job, record)
+            finally:
+                self._landing.discard(request_id)
         record.plane = self.local.plane
         self.counters.add("prefills_kept_local")
         self._kept[request_id] = len(job.request.token_ids)

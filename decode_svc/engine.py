@@ -144,13 +144,15 @@ class DecodeEngine:
     def running_count(self) -> int:
         return len(self._running)
 
-    def idle_but(self, request_ids: Collection[str]) -> bool:
-        """Whether nothing but request_ids keeps the engine busy: no sequence running or
-        waiting for pages, none being checked or joining, and no other request's KV awaited.
-        A hint read from any thread (each read is one atomic look at a container the engine
-        thread changes)."""
+    def is_idle(self, landing: Collection[str]) -> bool:
+        """Whether the engine has nothing to do but prefills it may run itself: no sequence
+        running or waiting for pages, none being checked or joining, and none of `landing`
+        (requests whose KV a peer is sending) still awaited; a request that reserved pages and
+        whose KV nobody sends (not routed yet, or computed here) does not count. A hint read
+        from any thread (each read is one atomic look at a container the engine thread
+        changes)."""
         return (not self._running and not self._waiting and not self._joining
-                and set(self._awaiting_kv) <= set(request_ids))
+                and self._awaiting_kv.isdisjoint(landing))
 
     def waiting_count(self) -> int:
         return len(self._waiting)

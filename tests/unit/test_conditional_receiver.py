@@ -1,4 +1,4 @@
-"""ConditionalReceiver's choice and DecodeEngine.idle_but, without services: which receiver a
+"""ConditionalReceiver's choice and DecodeEngine.is_idle, without services: which receiver a
 request goes to, the plane its record names, and what counts as busy."""
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ class _Remote(KvReceiver):
     def __init__(self) -> None:
         self.plane = "inline"  # negotiated later, as NegotiatedReceiver's is
         self.calls = 0
+        self.release: asyncio.Event | None = None  # set: each handoff waits for it
 
     async def receive(self, job, record) -> LandedKv:
         self.calls += 1
+        if self.release is not None:
+            await self.release.wait()
         return LandedKv(5, 10, bound=True)
 
 
@@ -43,9 +46,9 @@ class _Engine:
         self.idle = idle
         self.asked: list[set[str]] = []
 
-    def idle_but(self, request_ids) -> bool:
-        self.asked.append(set(request_ids))
-        return self.idle
+    def is_idle(self, landing) -> bool:
+        self.asked.append(set(landing))
+        return self.idle and not landing
 
 
 class _Job:
@@ -84,24 +87,23 @@ def test_zero_keeps_nothing():
     assert not ConditionalPrefillConfig(0).enabled and ConditionalPrefillConfig(1).enabled
 
 
-def test_idle_but_counts_every_kind_of_work():
+def test_is_idle_counts_every_kind_of_work():
     engine = DecodeEngine(None, None, 8, 8, make_logger("decode", stream=io.StringIO()),
                           Counters())
-    assert engine.idle_but({"r"})
-    engine._awaiting_kv.add("r")
-    assert engine.idle_but({"r"})  # its own reservation
-    engine._awaiting_kv.add("other")
-    assert not engine.idle_but({"r"})  # another handoff lands
-    assert engine.idle_but({"r", "other"})  # unless decode prefills that one itself
-    engine._awaiting_kv.discard("other")
+    assert engine.is_idle(set())
+    engine._awaiting_kv.update({"r", "other"})
+    assert engine.is_idle(set())  # reserved, their KV not asked of anyone yet
+    assert engine.is_idle({"elsewhere"})
+    assert not engine.is_idle({"other"})  # a handoff lands
+    engine._awaiting_kv.clear()
     engine._joining.add("other")
-    assert not engine.idle_but({"r", "other"})  # checked, not yet begun
+    assert not engine.is_idle(set())  # checked, not yet begun
     engine._joining.clear()
     engine._running["other"] = object()
-    assert not engine.idle_but({"r", "other"})
+    assert not engine.is_idle(set())
     engine._running.clear()
     engine._waiting.append(object())
-    assert not engine.idle_but({"r"})  # waits for pages
+    assert not engine.is_idle(set())  # waits for pages
 
 
 class _SlowLocal(_Local):
@@ -139,10 +141,29 @@ def test_a_burst_stays_while_its_prompts_fit_one_pass(max_kept, stays):
 
     kept, asked, receiver = asyncio.run(burst())
     assert kept == stays
-    # each prompt within the budget asks whether decode is idle but for itself and the ones
-    # kept before it; one past the budget goes to prefill without asking
-    assert asked == [{f"r{j}" for j in range(i + 1)} for i in range(sum(stays))]
+    # each prompt within the budget asks, with no handoff landing; one past it does not ask
+    assert asked == [set()] * sum(stays)
     assert receiver._kept == {}
+
+
+def test_a_short_prompt_while_a_handoff_lands_goes_to_prefill():
+    async def behind():
+        receiver, remote, _ = _receiver(True, max_tokens=8, max_kept_tokens=64)
+        remote.release = asyncio.Event()
+        long_call = asyncio.ensure_future(receiver.receive(_Job(20, "long"),
+                                                           TransferRecord("long", "inline")))
+        await asyncio.sleep(0)
+        short_call = asyncio.ensure_future(receiver.receive(_Job(4, "short"),
+                                                            TransferRecord("short", "inline")))
+        await asyncio.sleep(0)
+        remote.release.set()
+        landed = await asyncio.gather(long_call, short_call)
+        return [x.own_kv for x in landed], receiver
+
+    kept, receiver = asyncio.run(behind())
+    assert kept == [False, False]
+    assert receiver.engine.asked == [{"long"}]  # the long one never asks: too long
+    assert receiver._landing == set()
 
 
 def test_a_failed_local_prefill_is_no_longer_kept():
