@@ -117,6 +117,9 @@ class DecodeConfig:
     # prompts of at most this many tokens decode prefills itself while idle (0: never;
     # decode_svc/conditional_prefill.py)
     local_prefill_max_tokens: int = 0
+    # the prompt tokens decode may be prefilling itself at once, a burst's share (0: as many as
+    # local_prefill_max_tokens)
+    local_prefill_burst_tokens: int = 0
     allow_protocol_1_0: bool = False
     content_checks: bool = True
     verify_depth_positions: int = 4

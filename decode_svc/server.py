@@ -198,7 +198,8 @@ def local_pass_tokens(capacity) -> int:
 def conditional_prefill(config: DecodeConfig, runtime) -> ConditionalPrefillConfig:
     """--local-prefill-max-tokens, refused (ValueError) with --local-prefill (which prefills
     every prompt here) or past the longest prompt decode can prefill itself: its pool and
-    window, and the pass its activation budget was measured at."""
+    window, and the pass its activation budget was measured at; --local-prefill-burst-tokens
+    (a burst's share kept here, at most that pass) only beside it."""
     threshold = config.local_prefill_max_tokens
     if threshold and config.local_prefill:
         raise ValueError("--local-prefill-max-tokens with --local-prefill: --local-prefill "
@@ -207,7 +208,11 @@ def conditional_prefill(config: DecodeConfig, runtime) -> ConditionalPrefillConf
     if threshold > longest:
         raise ValueError(f"--local-prefill-max-tokens {threshold} exceeds the longest prompt "
                          f"this decode can prefill itself ({longest} tokens)")
-    return ConditionalPrefillConfig(threshold, max_kept_tokens=longest)
+    burst = config.local_prefill_burst_tokens
+    if burst and not threshold:
+        raise ValueError("--local-prefill-burst-tokens without --local-prefill-max-tokens: "
+                         "decode keeps no prompt, so there is no burst to share")
+    return ConditionalPrefillConfig(threshold, max_kept_tokens=min(burst or threshold, longest))
 
 
 async def start_decode(config: DecodeConfig) -> RunningDecode:

@@ -55,6 +55,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "release_grace_s": (0, None), "prefix_cache_max_pages": (0, None),
     "nixl_read_timeout_s": (0.001, None), "torch_threads": (0, 1024),
     "borrow_min_tokens": (1, None), "local_prefill_max_tokens": (0, None),
+    "local_prefill_burst_tokens": (0, None),
     "nixl_lease_max_pages": (0, None), "nixl_lease_max_handoffs": (1, None),
     "prefill_busy_slack": (1, None), "handoff_retries": (0, 5),
     "http_slow_reader_s": (0.001, None), "http_stream_buffer_bytes": (4096, 1 << 30),

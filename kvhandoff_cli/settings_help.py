@@ -105,4 +105,9 @@ ROLE_HELP = {
     "local_prefill_max_tokens": "prompts of at most this many tokens are prefilled by decode "
                                 "itself when it is idle, with no handoff (conditional "
                                 "disaggregation; 0: every prompt goes to prefill)",
+    "local_prefill_burst_tokens": "with --local-prefill-max-tokens: the most prompt tokens "
+                                  "decode prefills itself at once when short prompts arrive "
+                                  "together at an idle decode; the rest go to prefill, which "
+                                  "computes them meanwhile (0: as many as "
+                                  "--local-prefill-max-tokens; at most one of decode's passes)",
 }

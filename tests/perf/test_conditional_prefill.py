@@ -128,6 +128,8 @@ def test_a_burst_at_an_idle_decode_generates_what_the_plain_pair_does(decodes):
      "longest prompt this decode can prefill itself (1024 tokens)"),
     (["--local-prefill-max-tokens", "16", "--local-prefill"], "--local-prefill-max-tokens with "
      "--local-prefill: --local-prefill already prefills every prompt here"),
+    (["--local-prefill-burst-tokens", "256"], "--local-prefill-burst-tokens without "
+     "--local-prefill-max-tokens: decode keeps no prompt, so there is no burst to share"),
 ])
 def test_a_threshold_decode_cannot_honour_refuses_to_start(flags, says):
     result = subprocess.run(

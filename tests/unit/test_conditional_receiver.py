@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import io
+from types import SimpleNamespace
 
 import pytest
 
+from common.capacity import Capacity
+from common.config import DecodeConfig, ServiceConfig
 from common.counters import Counters
 from common.handoff.transfer import TransferRecord
 from common.log import make_logger
 from decode_svc.conditional_prefill import ConditionalPrefillConfig, ConditionalReceiver
 from decode_svc.engine import DecodeEngine
 from decode_svc.kv_receiver import KvReceiver, LandedKv
+from decode_svc.server import conditional_prefill
 from common.pb.kvhandoff.v1 import handoff_pb2
 
 
@@ -177,3 +181,13 @@ def test_a_failed_local_prefill_is_no_longer_kept():
         return receiver
 
     assert asyncio.run(fail())._kept == {}
+
+
+@pytest.mark.parametrize("burst, kept", [(0, 256), (512, 512), (100000, 1024)])
+def test_a_bursts_share_is_the_threshold_unless_given_and_at_most_one_pass(burst, kept):
+    capacity = Capacity(page_size=16, num_pages=64, kv_bytes_per_token=64, context_window=4096,
+                        sized_by="pool_tokens")  # 1024 tokens of pool bound decode's pass
+    config = DecodeConfig(ServiceConfig(), local_prefill_max_tokens=256,
+                          local_prefill_burst_tokens=burst)
+    chosen = conditional_prefill(config, SimpleNamespace(capacity=capacity))
+    assert chosen == ConditionalPrefillConfig(256, max_kept_tokens=kept)
