@@ -6,13 +6,12 @@ landing and decode's content checks (which recompute a decode step's worth of th
 to a pass that decode's idle core could run in the same time. So a prompt of at most
 `max_tokens` tokens that arrives while the engine is idle (`DecodeEngine.is_idle`: nothing
 running, waiting, being checked or joining, and no handoff this receiver sent to prefill still
-landing) is
-computed in place by the engine, exactly as `--local-prefill` does; any other prompt, and any
-prompt at all while decode is busy, goes to prefill through the remote receiver chain (retries,
-planes, content checks) unchanged. Serving systems call this conditional (or selective)
-disaggregation. Prompts that arrive together at an idle decode (a burst) all stay, while their
-tokens fit one of decode's packed passes (`max_kept_tokens`), and the engine computes the ones
-queued together in one pass (LocalPrefillEngine), so a burst pays no handoffs and no checks.
+landing) is computed in place by the engine, exactly as `--local-prefill` does; any other
+prompt, and any prompt at all while decode is busy, goes to prefill through the remote receiver
+chain (retries, planes, content checks) unchanged. Serving systems call this conditional (or
+selective) disaggregation. Of prompts that arrive together at an idle decode (a burst), decode
+keeps those whose tokens fit its share (`max_kept_tokens`) and computes the ones queued together
+in one pass (LocalPrefillEngine); the rest go to prefill, which computes them meanwhile.
 
 Invariants: the choice is made once per request, before any KV moves, from decode's own state
 only (nothing prefill says can make decode compute or skip anything); a local prefill's KV is
