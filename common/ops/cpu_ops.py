@@ -1,7 +1,10 @@
-"""The CPU fast path: attention through torch's fused scaled_dot_product_attention over views or
-gathers of the pages (common/kernels/*_sdpa.py), page stores by index_copy_, and RMSNorm and RoPE
-as one compiled loop each (numba, common/kernels/*_numba.py) in float32 and bfloat16 (other
-dtypes: RoPE with q and k as one tensor, RMSNorm with its temporaries updated in place). In a
+"""The CPU fast path: prefill attention through torch's fused scaled_dot_product_attention over
+views or gathers of the pages (common/kernels/*_sdpa.py), float32 decode attention as one
+compiled loop over the batch (numba, common/kernels/decode_attention_numba.py; half types keep
+SDPA, whose bf16 kernel is the fast one on AMX CPUs), page stores by index_copy_, and RMSNorm
+and RoPE as one compiled loop each (numba, common/kernels/*_numba.py) in float32 and bfloat16
+(other dtypes: RoPE with q and k as one tensor, RMSNorm with its temporaries updated in
+place). In a
 decode step each torch op costs a few microseconds (the linears' weights evict the dispatcher's
 working set), and in a prefill pass each of their temporaries is a pass over memory, so a
 fused loop saves both. F.rms_norm measured no faster in a bf16 step (torch 2.13 composes it of
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.kernels.decode_attention_numba import decode_attention_numba
+from common.kernels.decode_attention_numba import supports as decode_attention_numba_supports
 from common.kernels.decode_attention_sdpa import decode_attention_sdpa
 from common.kernels.paged_prefill_attention_sdpa import paged_prefill_attention_sdpa
 from common.kernels.prefill_attention_sdpa import prefill_attention_sdpa
@@ -30,7 +35,8 @@ from common.ops.torch_ops import TorchOps
 class CpuOps(TorchOps):
     """TorchOps with every op but pack/unpack replaced; same signatures and semantics, tested
     against the float32 references (tests/kernels/test_*_sdpa.py, test_store_kv_index_copy.py,
-    test_rope_joint.py, test_rmsnorm_inplace.py, test_numba_kernels.py)."""
+    test_rope_joint.py, test_rmsnorm_inplace.py, test_numba_kernels.py,
+    test_decode_attention_numba.py)."""
 
     name: str = "cpu"
 
@@ -57,4 +63,6 @@ class CpuOps(TorchOps):
                                             context_lens, max_seqlen_q, scale)
 
     def decode_attention(self, q, k_cache, v_cache, page_table, seq_lens, scale) -> torch.Tensor:
+        if decode_attention_numba_supports(q, k_cache, v_cache, page_table, seq_lens):
+            return decode_attention_numba(q, k_cache, v_cache, page_table, seq_lens, scale)
         return decode_attention_sdpa(q, k_cache, v_cache, page_table, seq_lens, scale)
