@@ -133,20 +133,35 @@ def measure_activation_peak(model: CausalLM, num_tokens: int) -> int:
 
 
 def warm_up(runtime: Runtime) -> None:
-    """One tiny forward so the first request does not pay for lazy init or kernel compiles."""
-    from common.model.llama import PrefillBatch
+    """A one-token prefill and one decode step on its own pages, so the first request does not
+    pay for lazy init or kernel compiles (the CPU backend's compiled loops, say, where their
+    on-disk cache cannot be written); the pages go back to the pool."""
+    from common.model.protocol import DecodeBatch, PrefillBatch
 
     device = runtime.model.device
     pool = runtime.pool
     owner = "__warmup__"
-    pages = pool.allocator.allocate(owner, 1)
+    pages = pool.allocator.allocate(owner, 2)
     try:
-        batch = PrefillBatch(
-            token_ids=torch.zeros(1, dtype=torch.int64, device=device),
-            positions=torch.zeros(1, dtype=torch.int64, device=device),
-            slot_mapping=torch.tensor(pool.slots_for(pages, 0, 1), dtype=torch.int64,
-                                      device=device),
-            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32, device=device), max_seqlen=1)
-        runtime.model.prefill(batch, pool.k, pool.v)
+        slots = pool.slots_for(pages, 0, 2)
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        def ints(values) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int32, device=device)
+
+        allocator = pool.allocator
+        allocator.check_write(owner, pages, 0)
+        runtime.model.prefill(PrefillBatch(
+            token_ids=longs([0]), positions=longs([0]), slot_mapping=longs(slots[:1]),
+            cu_seqlens=ints([0, 1]), max_seqlen=1), pool.k, pool.v)
+        allocator.mark_written(owner, 1)
+        allocator.check_write(owner, pages, 1)
+        allocator.mark_written(owner, 2)  # the step stores token 1 before it attends
+        allocator.check_read(owner, pages, 2)
+        runtime.model.decode(DecodeBatch(
+            token_ids=longs([0]), positions=longs([1]), slot_mapping=longs(slots[1:]),
+            page_table=ints([pages]), seq_lens=ints([2])), pool.k, pool.v)
     finally:
         pool.release(owner)
