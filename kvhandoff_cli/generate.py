@@ -110,6 +110,9 @@ async def _stream(args: argparse.Namespace, out: Output) -> int:
                     "request_id": done.request_id}
                 print(json.dumps(summary) if args.json else "", flush=True)
                 out.mid_line = False
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():  # Ctrl-C landed in grpc's read, which can
+            raise asyncio.CancelledError  # end the stream quietly: still a cancelled call
         return 0
     except grpc.aio.AioRpcError as err:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED and await _is_prefill(channel):
