@@ -120,6 +120,10 @@ class DecodeConfig:
     # the prompt tokens decode may be prefilling itself at once, a burst's share (0: as many as
     # local_prefill_max_tokens)
     local_prefill_burst_tokens: int = 0
+    # with this many of decode's prompts waiting for prefill, decode prefills the next one
+    # itself, in chunks between its steps (0: never; decode_svc/conditional_prefill.py)
+    local_prefill_queue_depth: int = 0
+    local_prefill_chunk_tokens: int = 256  # the chunks of those prompts
     allow_protocol_1_0: bool = False
     content_checks: bool = True
     verify_depth_positions: int = 4

@@ -13,6 +13,13 @@ selective) disaggregation. Of prompts that arrive together at an idle decode (a 
 keeps those whose tokens fit its share (`max_kept_tokens`) and computes the ones queued together
 in one pass (LocalPrefillEngine); the rest go to prefill, which computes them meanwhile.
 
+Under load the queue-depth rule (`queue_depth`) shares the prompts between the two cores: when
+at least `queue_depth` of this receiver's prompts are with prefill (sent, their KV not all
+landed), the next prompt of any length decode can prefill itself is computed here instead, in
+chunks of `chunk_tokens` between decode's steps, one such prompt at a time. Without it a burst
+of long prompts queues on prefill's core while decode's core, stepping a batch that is waiting
+for those prompts, is mostly idle.
+
 Invariants: the choice is made once per request, before any KV moves, from decode's own state
 only (nothing prefill says can make decode compute or skip anything); a local prefill's KV is
 decode's own (`LandedKv.own_kv`), so there is nothing to check; a remote one is checked as
@@ -34,10 +41,14 @@ class ConditionalPrefillConfig:
     max_tokens: int = 0  # prompts of at most this many tokens may prefill in decode (0: none)
     # the prompt tokens decode may be prefilling itself at once (0: one prompt at a time)
     max_kept_tokens: int = 0
+    # this many prompts with prefill: decode computes the next one itself, in chunks (0: never)
+    queue_depth: int = 0
+    chunk_tokens: int = 256  # the queue-depth rule's chunks
+    longest_tokens: int = 0  # the longest prompt decode can prefill itself
 
     @property
     def enabled(self) -> bool:
-        return self.max_tokens > 0
+        return self.max_tokens > 0 or self.queue_depth > 0
 
 
 class ConditionalReceiver(KvReceiver):
@@ -48,6 +59,8 @@ class ConditionalReceiver(KvReceiver):
         self.config = config
         self.engine = engine
         self.local = LocalPrefillReceiver(engine)
+        self.local_chunked = LocalPrefillReceiver(engine, config.chunk_tokens)
+        self._taken: dict[str, int] = {}  # kept by the queue-depth rule, prefilling here now
         self.remote = remote
         self.counters = counters
         self._kept: dict[str, int] = {}  # request id -> prompt tokens, prefilling here now
@@ -59,6 +72,7 @@ class ConditionalReceiver(KvReceiver):
         return self.remote.plane
 
     def keeps_local(self, job: HandoffJob) -> bool:
+        """The idle rule: a short prompt, at an idle engine, within the burst's share."""
         request = job.request
         tokens = len(request.token_ids)
         if tokens > self.config.max_tokens:
@@ -67,21 +81,32 @@ class ConditionalReceiver(KvReceiver):
             return False
         return self.engine.is_idle(self._landing)
 
+    def takes_from_queue(self, job: HandoffJob) -> bool:
+        """The queue-depth rule: queue_depth prompts already with prefill, none taken here."""
+        return (self.config.queue_depth > 0 and not self._taken
+                and len(self._landing) >= self.config.queue_depth
+                and len(job.request.token_ids) <= self.config.longest_tokens)
+
     async def receive(self, job: HandoffJob, record: TransferRecord) -> LandedKv:
         request_id = job.request.request_id
-        if not self.keeps_local(job):
+        if self.keeps_local(job):
+            kept, local = self._kept, self.local
+        elif self.takes_from_queue(job):
+            kept, local = self._taken, self.local_chunked
+            self.counters.add("prefills_taken_from_queue")
+        else:
             self._landing.add(request_id)
             try:
                 return await self.remote.receive(job, record)
             finally:
                 self._landing.discard(request_id)
-        record.plane = self.local.plane
+        record.plane = local.plane
         self.counters.add("prefills_kept_local")
-        self._kept[request_id] = len(job.request.token_ids)
+        kept[request_id] = len(job.request.token_ids)
         try:
-            return await self.local.receive(job, record)
+            return await local.receive(job, record)
         finally:
-            self._kept.pop(request_id, None)
+            kept.pop(request_id, None)
 
     async def close(self) -> None:
         await self.remote.close()

@@ -166,7 +166,8 @@ class DecodeEngine:
             handled = 0
             while handled < COMMANDS_PER_STEP:
                 try:
-                    command = self._inbox.get(block=not self._running and handled == 0)
+                    command = self._inbox.get(block=handled == 0 and not self._running
+                                              and not self._has_pending_work())
                 except queue.Empty:
                     break
                 if type(command) is Stop:
@@ -194,6 +195,11 @@ class DecodeEngine:
                         self._on_step(seconds, rows, threads)
                 except Exception as exc:  # even a failing failure path must not kill the thread
                     self.log.exception("decode_engine_error", error=str(exc))
+
+    def _has_pending_work(self) -> bool:
+        """Whether _after_commands has work left from earlier rounds (the loop must not block
+        on the queue then); a subclass's hook."""
+        return False
 
     def _after_commands(self) -> None:
         """Runs on the engine thread after each round of queued commands, before the step: the

@@ -115,9 +115,11 @@ class Release:
 @dataclass(frozen=True)
 class LocalPrefill:
     """--local-prefill: compute the prompt's KV into the request's reserved pages;
-    done(first token id | ServiceError)."""
+    done(first token id | ServiceError). chunk_tokens > 0: a longer prompt is computed in
+    chunks of at most that many tokens, one chunk between two decode steps."""
 
     request_id: str
     token_ids: list[int]
     sampling: SamplingConfig
     done: Callable[[object], None]
+    chunk_tokens: int = 0

@@ -199,7 +199,9 @@ def conditional_prefill(config: DecodeConfig, runtime) -> ConditionalPrefillConf
     """--local-prefill-max-tokens, refused (ValueError) with --local-prefill (which prefills
     every prompt here) or past the longest prompt decode can prefill itself: its pool and
     window, and the pass its activation budget was measured at; --local-prefill-burst-tokens
-    (a burst's share kept here, at most that pass) only beside it."""
+    (a burst's share kept here, at most that pass) only beside it; --local-prefill-queue-depth
+    (prompts taken from prefill's queue, in chunks of --local-prefill-chunk-tokens, at most
+    that pass) not with --local-prefill."""
     threshold = config.local_prefill_max_tokens
     if threshold and config.local_prefill:
         raise ValueError("--local-prefill-max-tokens with --local-prefill: --local-prefill "
@@ -212,7 +214,14 @@ def conditional_prefill(config: DecodeConfig, runtime) -> ConditionalPrefillConf
     if burst and not threshold:
         raise ValueError("--local-prefill-burst-tokens without --local-prefill-max-tokens: "
                          "decode keeps no prompt, so there is no burst to share")
-    return ConditionalPrefillConfig(threshold, max_kept_tokens=min(burst or threshold, longest))
+    depth = config.local_prefill_queue_depth
+    if depth and config.local_prefill:
+        raise ValueError("--local-prefill-queue-depth with --local-prefill: --local-prefill "
+                         "already prefills every prompt here; give one of them")
+    return ConditionalPrefillConfig(threshold, max_kept_tokens=min(burst or threshold, longest),
+                                    queue_depth=depth,
+                                    chunk_tokens=min(config.local_prefill_chunk_tokens, longest),
+                                    longest_tokens=runtime.capacity.max_prompt_tokens)
 
 
 async def start_decode(config: DecodeConfig) -> RunningDecode:
@@ -275,7 +284,7 @@ async def start_decode(config: DecodeConfig) -> RunningDecode:
             client, counters, metrics.retried, log, config.handoff_retries,
             new_attempt=lambda request_id: engine_answer(
                 lambda done: engine.new_attempt(request_id, done)))
-        if conditional.enabled:  # short prompts at an idle decode prefill here
+        if conditional.enabled:  # short prompts at an idle decode, or a share under load
             receiver = ConditionalReceiver(conditional, engine, receiver, counters)
     generation = GenerationServicer(
         engine, client, state, runtime.layout, runtime.loaded.fingerprint,

@@ -110,4 +110,10 @@ ROLE_HELP = {
                                   "together at an idle decode; the rest go to prefill, which "
                                   "computes them meanwhile (0: as many as "
                                   "--local-prefill-max-tokens; at most one of decode's passes)",
+    "local_prefill_queue_depth": "when this many of decode's prompts wait for prefill, decode "
+                                 "prefills the next one itself, of any length it can, in "
+                                 "chunks between its decode steps, one such prompt at a time "
+                                 "(0: never)",
+    "local_prefill_chunk_tokens": "the chunk of a prompt --local-prefill-queue-depth gives "
+                                  "decode: prompt tokens per pass between two decode steps",
 }

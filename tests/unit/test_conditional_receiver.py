@@ -190,4 +190,73 @@ def test_a_bursts_share_is_the_threshold_unless_given_and_at_most_one_pass(burst
     config = DecodeConfig(ServiceConfig(), local_prefill_max_tokens=256,
                           local_prefill_burst_tokens=burst)
     chosen = conditional_prefill(config, SimpleNamespace(capacity=capacity))
-    assert chosen == ConditionalPrefillConfig(256, max_kept_tokens=kept)
+    assert (chosen.max_tokens, chosen.max_kept_tokens, chosen.queue_depth) == (256, kept, 0)
+
+
+def _depth_receiver(queue_depth: int, longest: int = 64):
+    remote, counters = _Remote(), Counters()
+    remote.release = asyncio.Event()  # handoffs to prefill stay landing until set
+    config = ConditionalPrefillConfig(0, queue_depth=queue_depth, chunk_tokens=4,
+                                      longest_tokens=longest)
+    receiver = ConditionalReceiver(config, _Engine(False), remote, counters)
+    receiver.local, receiver.local_chunked = _Local(), _SlowLocal()
+    return receiver, remote, counters
+
+
+def _send(receiver, n: int, request_id: str):
+    return asyncio.ensure_future(
+        receiver.receive(_Job(n, request_id), TransferRecord(request_id, receiver.plane)))
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_with_depth_prompts_at_prefill_decode_takes_the_next_in_chunks_one_at_a_time(depth):
+    async def run():
+        receiver, remote, counters = _depth_receiver(depth)
+        landing = [_send(receiver, 40, f"p{i}") for i in range(depth)]
+        await asyncio.sleep(0)
+        assert remote.calls == depth and receiver._landing == {f"p{i}" for i in range(depth)}
+        taken = _send(receiver, 40, "taken")
+        await asyncio.sleep(0)
+        assert receiver.local_chunked.calls == 1 and receiver._taken == {"taken": 40}
+        after = _send(receiver, 40, "after")  # one taken prompt at a time: this one queues
+        await asyncio.sleep(0)
+        assert (remote.calls, receiver.local_chunked.calls) == (depth + 1, 1)
+        receiver.local_chunked.release.set()
+        remote.release.set()
+        results = await asyncio.gather(*landing, taken, after)
+        assert [r.own_kv for r in results] == [False] * depth + [True, False]
+        assert counters.snapshot()["prefills_taken_from_queue"] == 1
+        assert receiver._taken == {} and receiver._landing == set()
+        return results
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("depth, tokens", [(0, 40), (2, 65)])
+def test_no_depth_or_a_prompt_decode_cannot_prefill_goes_to_prefill(depth, tokens):
+    async def run():
+        receiver, remote, counters = _depth_receiver(depth)
+        landing = [_send(receiver, 40, f"p{i}") for i in range(2)]
+        await asyncio.sleep(0)
+        other = _send(receiver, tokens, "other")
+        await asyncio.sleep(0)
+        assert (remote.calls, receiver.local_chunked.calls) == (3, 0)
+        remote.release.set()
+        await asyncio.gather(*landing, other)
+        assert "prefills_taken_from_queue" not in counters.snapshot()
+
+    asyncio.run(run())
+
+
+def test_the_queue_depth_rule_is_refused_beside_local_prefill_and_chunks_fit_a_pass():
+    capacity = Capacity(page_size=16, num_pages=64, kv_bytes_per_token=64, context_window=4096,
+                        sized_by="pool_tokens")
+    config = DecodeConfig(ServiceConfig(), local_prefill_queue_depth=2,
+                          local_prefill_chunk_tokens=100000)
+    chosen = conditional_prefill(config, SimpleNamespace(capacity=capacity))
+    assert chosen.enabled and (chosen.max_tokens, chosen.queue_depth) == (0, 2)
+    assert chosen.chunk_tokens == chosen.longest_tokens == 1024
+    with pytest.raises(ValueError, match="--local-prefill-queue-depth with --local-prefill"):
+        conditional_prefill(DecodeConfig(ServiceConfig(), local_prefill=True,
+                                         local_prefill_queue_depth=2),
+                            SimpleNamespace(capacity=capacity))

@@ -1,0 +1,106 @@
+"""Decode's own prefill in chunks (LocalPrefill.chunk_tokens, the queue-depth rule of
+conditional disaggregation): the same first token and the same KV in the same pages as one
+pass over the whole prompt, one chunk per round with no command needed to move on, a request
+released between chunks answered and its pages back, a failing chunk answered and the engine
+still serving."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from common.errors import ServiceError
+from tests.unit.test_packed_local_prefill import (GREEDY, PROMPTS, _Answers, _engine, _kv_of,
+                                                  _prefill_alone)
+from tests.isolation.inproc import tiny_model
+
+LONG = "c"  # 37 tokens over three 16-token pages
+
+
+def _chunked(engine, name: str, chunk_tokens: int) -> object:
+    """Reserves name's pages and prefills its prompt in chunks; returns the answer."""
+    reserved = _Answers(1)
+    engine.reserve(name, len(PROMPTS[name]), reserved.done_for(name))
+    answers = _Answers(1)
+    engine.prefill(name, PROMPTS[name], GREEDY, answers.done_for(name), chunk_tokens)
+    engine.start()
+    reserved.wait()
+    return answers.wait()[name]
+
+
+@pytest.mark.parametrize("chunk_tokens, passes", [(5, 8), (16, 3), (36, 2)])
+def test_chunks_give_the_first_token_and_kv_of_one_pass(chunk_tokens, passes):
+    model = tiny_model(seed=5)
+    alone_first, alone_kv = _prefill_alone(model, LONG)
+    engine, pool, counters = _engine(0, model)
+    try:
+        first = _chunked(engine, LONG, chunk_tokens)
+        assert first == alone_first
+        assert counters.get("local_prefill_passes") == passes  # ceil(37 / chunk_tokens)
+        assert counters.get("local_prefills") == 1
+        torch.testing.assert_close(_kv_of(pool, LONG, len(PROMPTS[LONG])), alone_kv,
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        engine.stop()
+
+
+def test_a_prompt_no_longer_than_its_chunk_is_one_pass():
+    engine, _, counters = _engine(0, tiny_model())
+    try:
+        assert isinstance(_chunked(engine, "b", 5), int)
+        assert counters.get("local_prefill_passes") == 1
+    finally:
+        engine.stop()
+
+
+def test_a_request_released_between_chunks_is_answered_and_leaves_nothing(monkeypatch):
+    model = tiny_model()
+    engine, pool, counters = _engine(0, model)
+    baseline = pool.allocator.snapshot().pages_free
+    real_prefill, calls = model.prefill, []
+
+    def release_after_the_first_chunk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            engine.release(LONG)  # lands in the next round, before the next chunk
+        return real_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(model, "prefill", release_after_the_first_chunk)
+    try:
+        result = _chunked(engine, LONG, 8)
+        assert isinstance(result, ServiceError) and result.reason == "REQUEST_RELEASED"
+        assert len(calls) == 1 and counters.get("local_prefills") == 0
+        drained = threading.Event()
+        engine.after_writes(drained.set)
+        assert drained.wait(30)
+        assert pool.allocator.snapshot().pages_free == baseline
+    finally:
+        engine.stop()
+
+
+def test_a_failing_chunk_answers_and_the_engine_keeps_serving(monkeypatch):
+    model = tiny_model()
+    engine, _, counters = _engine(0, model)
+    real_prefill, calls = model.prefill, []
+
+    def fail_the_second_chunk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real_prefill(*args, **kwargs)
+
+    monkeypatch.setattr(model, "prefill", fail_the_second_chunk)
+    try:
+        result = _chunked(engine, LONG, 8)
+        assert isinstance(result, ServiceError) and result.reason == "LOCAL_PREFILL_FAILED"
+        assert len(calls) == 2  # the prompt is dropped: no third chunk
+        reserved, again = _Answers(1), _Answers(1)
+        engine.reserve("a", len(PROMPTS["a"]), reserved.done_for("a"))
+        engine.prefill("a", PROMPTS["a"], GREEDY, again.done_for("a"), 4)
+        reserved.wait()
+        assert isinstance(again.wait()["a"], int)
+        assert counters.get("local_prefills") == 1
+    finally:
+        engine.stop()
