@@ -103,8 +103,12 @@ class LocalPrefillEngine(DecodeEngine):
         self._chunked = [c for c in self._chunked if self._still_held(c.command)]
         if not held and not self._chunked:
             return
-        # decode computes: prefill must not borrow these CPUs for a pass meanwhile
-        self._cores.decode_state(computing=True, awaiting=bool(self._awaiting_kv))
+        # decode computes: prefill must not borrow these CPUs for a pass meanwhile; and
+        # decode may borrow prefill's unless a handoff from prefill is awaited (the prompts
+        # computed here reserved pages too, but nobody sends their KV)
+        here = {c.request_id for c in held} | {c.command.request_id for c in self._chunked}
+        self._cores.decode_state(computing=True, awaiting=bool(self._awaiting_kv - here),
+                                 own_pass=True)
         for group in packed_passes(held, self.pass_tokens):
             self._prefill_pass([ChunkSlice(ChunkedPrefill(c), 0, len(c.token_ids))
                                 for c in group])

@@ -145,16 +145,19 @@ class CoreBorrowing:
         return self._threads
 
     # ---- decode ----
-    def decode_state(self, computing: bool, awaiting: bool) -> None:
+    def decode_state(self, computing: bool, awaiting: bool, own_pass: bool = False) -> None:
         """Decode's engine thread, before it computes (computing) or when it goes idle:
-        holds the busy file while computing, and borrows while no handoff awaits KV."""
+        holds the busy file while computing, and borrows while no handoff awaits KV.
+        own_pass: what follows is a prefill pass of decode's own (conditional
+        disaggregation), which borrows whenever that is allowed: the guard judges steps, and
+        a pass of many rows gains from a second core where a step of a few may not."""
         if not self.config.enabled:
             return
         if computing and self._lock is not None:
             self._lock.try_take()
         elif self._lock is not None:
             self._lock.give_back()
-        borrow = computing and not awaiting and self._guard.wants_borrow()
+        borrow = computing and not awaiting and (own_pass or self._guard.wants_borrow())
         self._use(self.config.own_threads + (self.config.borrowed_threads if borrow else 0))
 
     def step_done(self, seconds: float) -> None:

@@ -2,7 +2,8 @@
 conditional disaggregation): the same first token and the same KV in the same pages as one
 pass over the whole prompt, one chunk per round with no command needed to move on, a request
 released between chunks answered and its pages back, a failing chunk answered and the engine
-still serving."""
+still serving; and decode's own passes may borrow prefill's cores unless a handoff is
+awaited."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ import threading
 import pytest
 import torch
 
+from common.counters import Counters
 from common.errors import ServiceError
+from common.kvpool.kv_cache import PoolConfig
+from common.server.core_borrowing import CoreBorrowing, CoreBorrowingConfig
+from decode_svc.local_prefill import LocalPrefillEngine
+from tests.isolation.inproc import RecordingLog, make_pool, tiny_model
 from tests.unit.test_packed_local_prefill import (GREEDY, PROMPTS, _Answers, _engine, _kv_of,
                                                   _prefill_alone)
-from tests.isolation.inproc import tiny_model
 
 LONG = "c"  # 37 tokens over three 16-token pages
 
@@ -102,5 +107,39 @@ def test_a_failing_chunk_answers_and_the_engine_keeps_serving(monkeypatch):
         reserved.wait()
         assert isinstance(again.wait()["a"], int)
         assert counters.get("local_prefills") == 1
+    finally:
+        engine.stop()
+
+
+class _RecordingCores(CoreBorrowing):
+    """Records the awaiting flag of every own_pass decode_state call."""
+
+    def __init__(self) -> None:
+        super().__init__(CoreBorrowingConfig())
+        self.own_passes: list[bool] = []
+
+    def decode_state(self, computing: bool, awaiting: bool, own_pass: bool = False) -> None:
+        if own_pass:
+            self.own_passes.append(awaiting)
+
+
+@pytest.mark.parametrize("handoff_awaited", [False, True])
+def test_an_own_pass_may_borrow_unless_a_handoff_from_prefill_is_awaited(handoff_awaited):
+    model, cores = tiny_model(), _RecordingCores()
+    pool = make_pool(model, PoolConfig(pool_tokens=256, page_size=16))
+    engine = LocalPrefillEngine(model, pool, 8, 8, RecordingLog(), Counters(), None, cores)
+    try:
+        reserved = _Answers(2)
+        engine.reserve("mine", len(PROMPTS["a"]), reserved.done_for("mine"))
+        if handoff_awaited:  # reserved for a handoff prefill computes: its KV is awaited
+            engine.reserve("theirs", 8, reserved.done_for("theirs"))
+        else:
+            reserved.done_for("none")(None)
+        answers = _Answers(1)
+        engine.prefill("mine", PROMPTS["a"], GREEDY, answers.done_for("mine"), 4)
+        engine.start()
+        reserved.wait()
+        assert isinstance(answers.wait()["mine"], int)
+        assert cores.own_passes and set(cores.own_passes) == {handoff_awaited}
     finally:
         engine.stop()

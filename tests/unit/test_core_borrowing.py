@@ -185,3 +185,15 @@ def test_the_engine_thread_stays_on_its_own_cpus_and_the_workers_reach_the_borro
     thread.join()
     assert seen["idle"] == {cpus[0]}
     assert seen["borrowing"] == ({cpus[0]}, 2)
+
+
+def test_decodes_own_prefill_pass_borrows_while_the_guard_holds_steps_back(tmp_path):
+    decode, _, _ = _pair(tmp_path)
+    decode._guard._backoff = 100  # borrowed steps did not pay: steps stay on the own threads
+    decode.decode_state(computing=True, awaiting=False)
+    assert decode.threads == 1
+    decode.decode_state(computing=True, awaiting=False, own_pass=True)
+    assert decode.threads == torch.get_num_threads() == 2
+    decode.decode_state(computing=True, awaiting=True, own_pass=True)  # prefill computes
+    assert decode.threads == 1
+    decode.close()
