@@ -78,6 +78,7 @@ class LocalPrefillEngine(DecodeEngine):
         self.submit(LocalPrefill(request_id, token_ids, sampling, done, chunk_tokens))
 
     def is_idle(self, landing) -> bool:
+        """As DecodeEngine's, and no prompt is being prefilled here in chunks."""
         return not self._chunked and super().is_idle(landing)
 
     def _has_pending_work(self) -> bool:
