@@ -11,9 +11,9 @@ import threading
 
 import pytest
 
-from tests.helpers.cluster import REPO, generate, start_cluster, start_service
+from tests.helpers.cluster import REPO, generate
 from tests.helpers.polling import wait_until
-from tests.perf.helpers import prompt
+from tests.perf.helpers import pair_and_plain, prompt
 
 pytestmark = pytest.mark.slow
 
@@ -25,18 +25,8 @@ THRESHOLD = 32
 @pytest.fixture(scope="module")
 def decodes(tmp_path_factory):
     """(the pair whose decode keeps short prompts, a plain decode on the same prefill)."""
-    root = tmp_path_factory.mktemp("conditional")
-    pair = start_cluster(root / "pair", "demo", common_flags=FLAGS,
-                         decode_flags=["--local-prefill-max-tokens", str(THRESHOLD)])
-    try:
-        plain = start_service("decode", root / "plain", ["--model", "demo", "--prefill",
-                                                         pair.prefill.address, *FLAGS])
-    except Exception:
-        pair.stop()
-        raise
-    yield pair, plain
-    plain.stop()
-    pair.stop()
+    yield from pair_and_plain(tmp_path_factory.mktemp("conditional"), FLAGS,
+                              ["--local-prefill-max-tokens", str(THRESHOLD)])
 
 
 def _counts(pair) -> tuple[int, int]:

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from tests.helpers.cluster import generate, start_cluster, start_service
+from tests.helpers.cluster import generate
 from tests.helpers.polling import wait_until
-from tests.perf.helpers import prompt
+from tests.perf.helpers import pair_and_plain, prompt
 
 pytestmark = pytest.mark.slow
 
@@ -25,19 +25,9 @@ PROMPT_TOKENS = 600  # long enough that the first is still at prefill when the n
 def decodes(tmp_path_factory):
     """(the pair whose decode takes prompts from prefill's queue, a plain decode on the same
     prefill)."""
-    root = tmp_path_factory.mktemp("queue_depth")
-    pair = start_cluster(root / "pair", "demo", common_flags=FLAGS,
-                         decode_flags=["--local-prefill-queue-depth", "1",
-                                       "--local-prefill-chunk-tokens", "64"])
-    try:
-        plain = start_service("decode", root / "plain", ["--model", "demo", "--prefill",
-                                                         pair.prefill.address, *FLAGS])
-    except Exception:
-        pair.stop()
-        raise
-    yield pair, plain
-    plain.stop()
-    pair.stop()
+    yield from pair_and_plain(tmp_path_factory.mktemp("queue_depth"), FLAGS,
+                              ["--local-prefill-queue-depth", "1",
+                               "--local-prefill-chunk-tokens", "64"])
 
 
 def _counts(pair) -> tuple[int, int, int]:
