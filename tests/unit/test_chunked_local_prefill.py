@@ -7,7 +7,6 @@ awaited."""
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from common.kvpool.kv_cache import PoolConfig
 from common.server.core_borrowing import CoreBorrowing, CoreBorrowingConfig
 from decode_svc.local_prefill import LocalPrefillEngine
 from tests.isolation.inproc import RecordingLog, make_pool, tiny_model
-from tests.unit.test_packed_local_prefill import (GREEDY, PROMPTS, _Answers, _engine, _kv_of,
+from tests.unit.test_packed_local_prefill import (GREEDY, PROMPTS, _Answers,
+                                                  _assert_drained_to, _engine, _kv_of,
                                                   _prefill_alone)
 
 LONG = "c"  # 37 tokens over three 16-token pages
@@ -77,10 +77,7 @@ def test_a_request_released_between_chunks_is_answered_and_leaves_nothing(monkey
         result = _chunked(engine, LONG, 8)
         assert isinstance(result, ServiceError) and result.reason == "REQUEST_RELEASED"
         assert len(calls) == 1 and counters.get("local_prefills") == 0
-        drained = threading.Event()
-        engine.after_writes(drained.set)
-        assert drained.wait(30)
-        assert pool.allocator.snapshot().pages_free == baseline
+        _assert_drained_to(engine, pool, baseline)
     finally:
         engine.stop()
 

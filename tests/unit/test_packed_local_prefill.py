@@ -71,6 +71,14 @@ def _run_round(engine: LocalPrefillEngine, prompts: dict[str, list[int]],
     return answers.wait()
 
 
+def _assert_drained_to(engine, pool, baseline: int) -> None:
+    """After every command queued so far, the pool has baseline pages free."""
+    drained = threading.Event()
+    engine.after_writes(drained.set)
+    assert drained.wait(30)
+    assert pool.allocator.snapshot().pages_free == baseline
+
+
 def _kv_of(pool, name: str, n: int) -> torch.Tensor:
     slots = torch.tensor(pool.slots_for(pool.allocator.page_table(name), 0, n))
     k = pool.k.flatten(1, 2)[:, slots]  # [L, n, Hkv, D]
@@ -133,10 +141,7 @@ def test_a_request_released_before_its_pass_is_answered_and_not_computed():
         assert counters.get("local_prefills") == 2
         for name in ("a", "c"):
             engine.release(name)
-        drained = threading.Event()
-        engine.after_writes(drained.set)
-        assert drained.wait(30)
-        assert pool.allocator.snapshot().pages_free == baseline
+        _assert_drained_to(engine, pool, baseline)
     finally:
         engine.stop()
 
